@@ -1,0 +1,124 @@
+"""The seams between the lifecycle and real systems.
+
+A trainer driver and an engine driver are all the machine needs. Each step of
+the transition table calls exactly one method here. Implement these for your
+own stack; the reference drivers are the worked example (docs/embedding.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from miles_fsm.plan import Collective, TensorSet
+from miles_fsm.states import Step, Strategy
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["EngineDriver", "StepReport", "TrainerDriver"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepReport:
+    """What an action measured; every field is optional."""
+
+    bytes_moved: int | None = None
+    host_bytes: int | None = None
+
+
+@runtime_checkable
+class TrainerDriver(Protocol):
+    """One trainer rank: its weights, its memory, its collectives."""
+
+    @property
+    def strategy(self) -> Strategy:
+        """How the actor's params come back after the engine had the GPU."""
+        ...
+
+    def backup(self, tag: str) -> StepReport | None:
+        """Keep a host copy of what ``tag`` cannot rebuild."""
+        ...
+
+    def restore(self, tag: str) -> StepReport | None:
+        """Write ``tag``'s host copy back into the model."""
+        ...
+
+    def copy(self, src_tag: str, dst_tag: str) -> None:
+        """Copy one tag's host copy to another (e.g. actor to old_actor)."""
+        ...
+
+    def get(self, tag: str) -> Mapping[str, torch.Tensor]:
+        """The host copy held for ``tag``."""
+        ...
+
+    def cast_main_to_params(self) -> StepReport | None:
+        """Rebuild this rank's shard of the bf16 params from the fp32 master weights."""
+        ...
+
+    def param_sync(self) -> StepReport | None:
+        """All-gather the params so that every rank holds them whole."""
+        ...
+
+    def pause_memory(self, tag: str) -> None:
+        """Release the device memory of one tag (torch_memory_saver's pause)."""
+        ...
+
+    def resume_memory(self, tag: str) -> None:
+        """Map one tag's memory back; contents are undefined unless backed up."""
+        ...
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The full weights, in the engine's naming, for the push."""
+        ...
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Every tensor that must come back bit-exact (verification hashes these)."""
+        ...
+
+    def tensor_set(self) -> TensorSet:
+        """Names, shapes and dtypes of what the actor tag covers. Rank-uniform."""
+        ...
+
+    def collectives(self, step: Step) -> tuple[Collective, ...]:
+        """The collectives ``step`` will issue. Rank-uniform; never reads pause state."""
+        ...
+
+    def memory_in_use(self) -> int | None:
+        """Device (or host, on CPU) bytes this trainer holds now, or None if unknown."""
+        ...
+
+
+@runtime_checkable
+class EngineDriver(Protocol):
+    """The rollout engine colocated with this rank."""
+
+    @property
+    def name(self) -> str:
+        """How errors and traces name this engine (a URL, 'engine0')."""
+        ...
+
+    def release_memory(self, tag: str) -> None:
+        """Release one memory tag (``weights``, ``kv_cache``, ``cuda_graph``)."""
+        ...
+
+    def resume_memory(self, tag: str) -> None:
+        """Resume one released memory tag."""
+        ...
+
+    def update_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str) -> StepReport | None:
+        """Push weights inside one begin/end update session, then set ``version``."""
+        ...
+
+    def weight_version(self) -> str | None:
+        """The version the engine reports serving now."""
+        ...
+
+    def weight_digests(self) -> Mapping[str, str] | None:
+        """SHA256 of each served weight, or None if the engine cannot expose them."""
+        ...
+
+    def collectives(self, step: Step) -> tuple[Collective, ...]:
+        """The collectives ``step`` will issue on the trainer side (e.g. a broadcast)."""
+        ...

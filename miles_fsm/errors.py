@@ -1,0 +1,323 @@
+"""Every failure miles-fsm reports, one class each.
+
+Each class keeps the facts as attributes and builds its message from them in
+``__init__``, so a log line, a traceback and ``miles-fsm replay`` all say the
+same thing. Each subclasses the stdlib error that fits, so callers that do
+not know miles-fsm still catch them sensibly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "DefinitionError",
+    "EngineRequestError",
+    "EngineSessionError",
+    "GuardError",
+    "GuardTimeoutError",
+    "IneligibleModelError",
+    "LastSeen",
+    "MemoryTagError",
+    "MilesFsmError",
+    "PeerLostError",
+    "RankDivergenceError",
+    "RecoveryError",
+    "TensorSetChangedError",
+    "TransitionCancelled",
+    "TransitionNotAllowed",
+    "VerificationError",
+    "WeightVersionError",
+]
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _names(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    more = len(names) - limit
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+class MilesFsmError(Exception):
+    """Base class of every error miles-fsm raises on purpose."""
+
+
+class DefinitionError(MilesFsmError, ValueError):
+    """The transition table is malformed; raised when it is built."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("invalid lifecycle definition:\n  - " + "\n  - ".join(self.problems))
+
+
+class TransitionNotAllowed(MilesFsmError, RuntimeError):
+    """A trigger was fired in a state that has no arrow for it. Nothing ran."""
+
+    def __init__(
+        self,
+        state: str,
+        trigger: str,
+        allowed: Sequence[str] = (),
+        failure: BaseException | None = None,
+    ) -> None:
+        self.state = state
+        self.trigger = trigger
+        self.allowed = tuple(allowed)
+        self.failure = failure
+        if failure is not None:
+            hint = (
+                f"the rank FAILED earlier ({type(failure).__name__}: {failure}); "
+                "call Lifecycle.recover(to=...) once you know what state memory is in"
+            )
+        elif self.allowed:
+            hint = "allowed here: " + ", ".join(self.allowed)
+        else:
+            hint = "no trigger leaves this state"
+        super().__init__(f"trigger {trigger!r} is not allowed in state {state}; {hint}")
+
+
+class TransitionCancelled(MilesFsmError, RuntimeError):
+    """A transition was abandoned before its guard: no collective was entered."""
+
+    def __init__(self, trigger: str, epoch: int) -> None:
+        self.trigger = trigger
+        self.epoch = epoch
+        super().__init__(
+            f"{trigger} (epoch {epoch}) was cancelled before its guard; this rank entered no "
+            "collective and its state is unchanged, but the other ranks will fail their guard"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LastSeen:
+    """What the store last heard from a rank: where it was, and when."""
+
+    rank: int
+    epoch: int
+    trigger: str
+    state: str
+    phase: str
+    wall: float
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.phase} {self.trigger} from {self.state} (epoch {self.epoch})"
+
+
+class GuardError(MilesFsmError):
+    """Base class of the consensus guard's failures. No collective of the step ran."""
+
+
+class RankDivergenceError(GuardError, RuntimeError):
+    """Ranks disagree on the transition or on the collectives it will issue."""
+
+    def __init__(
+        self,
+        *,
+        epoch: int,
+        trigger: str,
+        field: str,
+        groups: Mapping[str, Sequence[int]],
+        detail: str = "",
+    ) -> None:
+        self.epoch = epoch
+        self.trigger = trigger
+        self.field = field
+        self.groups = {k: tuple(v) for k, v in groups.items()}
+        self.detail = detail
+        minority = min(self.groups.values(), key=len) if self.groups else ()
+        self.culprits = tuple(minority)
+        lines = [f"  ranks [{_ranks(v)}]: {k}" for k, v in self.groups.items()]
+        super().__init__(
+            f"ranks disagree on {field} before {trigger} (epoch {epoch}); no collective was "
+            f"entered. Suspect rank(s) {_ranks(self.culprits)}.\n"
+            + "\n".join(lines)
+            + (f"\n  {detail}" if detail else "")
+            + "\nEvery rank must plan from rank-uniform facts (names, shapes, dtypes, bucket "
+            "layout), never from per-rank pause state. Run `miles-fsm replay` on the traces."
+        )
+
+
+class GuardTimeoutError(GuardError, TimeoutError):
+    """Some ranks did not reach the guard within its timeout."""
+
+    def __init__(
+        self,
+        *,
+        epoch: int,
+        trigger: str,
+        missing: Sequence[int],
+        last_seen: Mapping[int, LastSeen | None],
+        timeout_s: float,
+    ) -> None:
+        self.epoch = epoch
+        self.trigger = trigger
+        self.missing = tuple(missing)
+        self.last_seen = dict(last_seen)
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"rank(s) {_ranks(self.missing)} did not reach the guard of {trigger} (epoch {epoch}) "
+            f"within {timeout_s:g} s; {_describe_last(self.missing, self.last_seen)}. "
+            "Look at those ranks' traces (`miles-fsm replay`) for what they are stuck in."
+        )
+
+
+class PeerLostError(GuardError, ConnectionError):
+    """The guard's connection to some ranks broke: their process is probably gone."""
+
+    def __init__(
+        self,
+        *,
+        epoch: int,
+        trigger: str,
+        missing: Sequence[int],
+        last_seen: Mapping[int, LastSeen | None],
+        cause: str,
+    ) -> None:
+        self.epoch = epoch
+        self.trigger = trigger
+        self.missing = tuple(missing)
+        self.last_seen = dict(last_seen)
+        self.cause = cause
+        who = f"rank(s) {_ranks(self.missing)}" if self.missing else "a peer rank"
+        super().__init__(
+            f"the guard of {trigger} (epoch {epoch}) lost its connection to {who} ({cause}); "
+            f"{_describe_last(self.missing, self.last_seen)}. Check whether those processes "
+            "crashed (exit code, OOM killer) and read their traces with `miles-fsm replay`."
+        )
+
+
+def _describe_last(missing: Sequence[int], last_seen: Mapping[int, LastSeen | None]) -> str:
+    parts = []
+    for r in missing:
+        seen = last_seen.get(r)
+        parts.append(str(seen) if seen is not None else f"rank {r}: never seen by the store")
+    return "last seen: " + "; ".join(parts) if parts else "no rank is known to be missing"
+
+
+class IneligibleModelError(MilesFsmError, ValueError):
+    """The model's structure makes rematerialize unsafe."""
+
+    def __init__(self, params: Sequence[str], reason: str) -> None:
+        self.params = tuple(params)
+        self.reason = reason
+        super().__init__(
+            f"rematerialize cannot rebuild {len(self.params)} param(s): {_names(self.params)} "
+            f"({reason}). Put them in a DDP param buffer or among the backed-up extras, or "
+            "use the backup strategy."
+        )
+
+
+class ConfigError(MilesFsmError, ValueError):
+    """The configuration violates constraints; every violation is listed."""
+
+    def __init__(self, violations: Sequence[str], what: str = "configuration") -> None:
+        self.violations = tuple(violations)
+        self.what = what
+        super().__init__(
+            f"{what} violates {len(self.violations)} constraint(s):\n  - "
+            + "\n  - ".join(self.violations)
+        )
+
+
+class VerificationError(MilesFsmError, RuntimeError):
+    """Tensors came back with different bytes than they had before the offload."""
+
+    def __init__(self, *, epoch: int, mismatched: Sequence[str], where: str = "trainer") -> None:
+        self.epoch = epoch
+        self.mismatched = tuple(mismatched)
+        self.where = where
+        super().__init__(
+            f"{len(self.mismatched)} {where} tensor(s) differ from their pre-offload SHA256 "
+            f"after epoch {epoch}: {_names(self.mismatched)}. Do not train on them: the restore "
+            "or rematerialize path lost data. Recover from a checkpoint."
+        )
+
+
+class TensorSetChangedError(VerificationError):
+    """The set of tensors itself changed between offload and verify."""
+
+    def __init__(
+        self, *, epoch: int, added: Sequence[str], removed: Sequence[str], where: str = "trainer"
+    ) -> None:
+        self.added = tuple(added)
+        self.removed = tuple(removed)
+        MilesFsmError.__init__(
+            self,
+            f"the {where} tensor set changed during epoch {epoch}: added [{_names(self.added)}], "
+            f"removed [{_names(self.removed)}]. A param entered or left the buffers while "
+            "offloaded; restore cannot be trusted.",
+        )
+        self.epoch = epoch
+        self.mismatched = self.added + self.removed
+        self.where = where
+
+
+class MemoryTagError(MilesFsmError, RuntimeError):
+    """A pause of a paused tag, or a resume of an active one, was refused."""
+
+    def __init__(self, *, side: str, tag: str, op: str, paused: Sequence[str]) -> None:
+        self.side = side
+        self.tag = tag
+        self.op = op
+        self.paused = tuple(sorted(paused))
+        state = "already paused" if op == "pause" else "not paused"
+        super().__init__(
+            f"refused to {op} {side} memory tag {tag!r}: it is {state} (paused now: "
+            f"[{', '.join(self.paused)}]). torch_memory_saver and SGLang kill the process on "
+            "this, so nothing was sent."
+        )
+
+
+class RecoveryError(MilesFsmError, RuntimeError):
+    """A FAILED rank cannot be recovered to the state asked for."""
+
+    def __init__(self, *, target: str, reason: str) -> None:
+        self.target = target
+        self.reason = reason
+        super().__init__(f"cannot recover to {target}: {reason}")
+
+
+class WeightVersionError(MilesFsmError, RuntimeError):
+    """The engine reports a different weight version than the one just pushed."""
+
+    def __init__(self, *, engine: str, expected: str, actual: str | None) -> None:
+        self.engine = engine
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"engine {engine} reports weight version {actual!r} after a push of {expected!r}; "
+            "it is serving other weights than the trainer's. Push again before generating."
+        )
+
+
+class EngineRequestError(MilesFsmError, RuntimeError):
+    """An engine rejected or failed a request."""
+
+    def __init__(self, *, engine: str, op: str, status: int | None, message: str) -> None:
+        self.engine = engine
+        self.op = op
+        self.status = status
+        self.message = message
+        code = f"HTTP {status}" if status is not None else "no response"
+        super().__init__(f"engine {engine}: {op} failed ({code}): {message}")
+
+
+class EngineSessionError(MilesFsmError, RuntimeError):
+    """A weight-update session was misused or left open."""
+
+    def __init__(self, *, engine: str, op: str, detail: str) -> None:
+        self.engine = engine
+        self.op = op
+        self.detail = detail
+        super().__init__(f"engine {engine}: weight-update session error during {op}: {detail}")
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """A JSON-friendly summary of an error for traces."""
+    return {"error": type(exc).__name__, "message": str(exc)}

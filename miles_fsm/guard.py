@@ -1,0 +1,196 @@
+"""The consensus guard: every rank agrees on a transition before any collective runs.
+
+Fast path: one all-reduce of two int64 on a gloo group of our own,
+``MAX([k, -k])``. The ranks agree exactly when ``max(k) == min(k)``. Only on a
+difference do the ranks gather their full intents to explain it.
+
+Each rank publishes where it is to the torch.distributed store before the
+all-reduce, so a rank that never arrives can be named, with its last known
+state, by every rank that did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from miles_fsm.errors import (
+    GuardTimeoutError,
+    LastSeen,
+    PeerLostError,
+    RankDivergenceError,
+)
+from miles_fsm.plan import Intent
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["Guard"]
+
+_PREFIX = "miles_fsm/last/"
+
+#: After a peer is lost, how long to let the other survivors publish their
+#: arrival before naming who is missing. Short: they were all about to arrive.
+_ARRIVAL_GRACE_S = 2.0
+
+
+class Guard:
+    """Cross-rank agreement on transitions, one instance per rank."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        group: Any,
+        store: Any,
+        timeout_s: float,
+    ) -> None:
+        self.rank = rank
+        self.world = world
+        self.timeout_s = timeout_s
+        self._group = group
+        self._store = store
+        self._buf = torch.zeros(2, dtype=torch.int64)
+
+    @classmethod
+    def solo(cls) -> "Guard":
+        """World size 1: nothing to agree with, nothing to pay."""
+        return cls(rank=0, world=1, group=None, store=None, timeout_s=0.0)
+
+    @classmethod
+    def from_default_group(cls, *, timeout_s: float, store: Any | None = None) -> "Guard":
+        """Build a guard over the default process group. Collective: every rank calls it.
+
+        The guard gets its own gloo group, so it never queues behind (or
+        inside) the trainer's NCCL work, and its timeout is the guard timeout.
+        """
+        if not dist.is_initialized():
+            return cls.solo()
+        world = dist.get_world_size()
+        if world == 1:
+            return cls.solo()
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        if store is None:
+            store = dist.distributed_c10d._get_default_store()
+        return cls(rank=dist.get_rank(), world=world, group=group, store=store, timeout_s=timeout_s)
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def agree(self, intent: Intent, *, state: str) -> None:
+        """Return when every rank holds the same intent; raise a GuardError otherwise."""
+        if self.world == 1:
+            return
+        self._publish(intent, state, "entered guard of")
+        key = intent.key
+        self._buf[0] = key
+        self._buf[1] = -key
+        started = time.monotonic()
+        try:
+            dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group)
+        except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
+            raise self._missing_error(intent, exc, time.monotonic() - started) from exc
+        if int(self._buf[0]) != -int(self._buf[1]):
+            raise self._divergence(intent)
+
+    def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str) -> None:
+        """Tell the store that this rank failed, so peers do not call it missing."""
+        if self.world == 1:
+            return
+        self._set(intent_epoch, trigger, state, phase)
+
+    def _publish(self, intent: Intent, state: str, phase: str) -> None:
+        self._set(intent.epoch, intent.trigger, state, phase)
+
+    def _set(self, epoch: int, trigger: str, state: str, phase: str) -> None:
+        record = {"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()}
+        self._store.set(f"{_PREFIX}{self.rank}", orjson.dumps(record))
+
+    def last_seen(self) -> dict[int, LastSeen | None]:
+        """What the store last heard from each rank (None: nothing, or store unreachable)."""
+        seen: dict[int, LastSeen | None] = {}
+        for r in range(self.world):
+            key = f"{_PREFIX}{r}"
+            try:
+                raw = self._store.get(key) if self._store.check([key]) else None
+            except RuntimeError:  # the store's host may be the rank that died
+                raw = None
+            seen[r] = None if raw is None else LastSeen(rank=r, **orjson.loads(raw))
+        return seen
+
+    def _arrived(self, intent: Intent, seen: LastSeen | None) -> bool:
+        return (
+            seen is not None
+            and seen.epoch == intent.epoch
+            and seen.trigger == intent.trigger
+            and seen.phase == "entered guard of"
+        )
+
+    def _missing_error(self, intent: Intent, exc: RuntimeError, waited: float) -> Exception:
+        timed_out = waited >= self.timeout_s * 0.9 or "timed out" in str(exc).lower()
+        deadline = time.monotonic() + (0.0 if timed_out else _ARRIVAL_GRACE_S)
+        while True:
+            seen = self.last_seen()
+            missing = [r for r in range(self.world) if not self._arrived(intent, seen[r])]
+            if not missing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        # Ranks that published a failure are not missing: they are failing with us.
+        missing = [r for r in missing if seen[r] is None or not seen[r].phase.startswith("failed")]
+        last = {r: seen[r] for r in missing}
+        if timed_out:
+            return GuardTimeoutError(
+                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=self.timeout_s
+            )
+        return PeerLostError(
+            epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0]
+        )
+
+    def _divergence(self, intent: Intent) -> RankDivergenceError:
+        gathered: list[Intent | None] = [None] * self.world
+        dist.all_gather_object(gathered, intent, group=self._group)
+        intents = [i for i in gathered if i is not None]
+        return explain_divergence(intents)
+
+
+def explain_divergence(intents: "Sequence[Intent]") -> RankDivergenceError:
+    """Group ranks by intent and name the first field that differs (rank r is intents[r])."""
+    by_field = [dict(i.fields()) for i in intents]
+    names = [name for name, _ in intents[0].fields()]
+    field = next(n for n in names if len({f[n] for f in by_field}) > 1)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for r, f in enumerate(by_field):
+        groups[f[field]].append(r)
+    detail = ""
+    if field == "tensor set":
+        detail = _tensor_set_detail(intents, groups)
+    return RankDivergenceError(
+        epoch=min(i.epoch for i in intents),
+        trigger=intents[0].trigger,
+        field=field,
+        groups=groups,
+        detail=detail,
+    )
+
+
+def _tensor_set_detail(intents: "Sequence[Intent]", groups: dict[str, list[int]]) -> str:
+    sets = {label: intents[ranks[0]].tensors for label, ranks in groups.items()}
+    union = frozenset().union(*(s.names for s in sets.values()))
+    parts = []
+    for label, ranks in groups.items():
+        lacking = sorted(union - sets[label].names)
+        if lacking:
+            parts.append(f"ranks [{', '.join(map(str, ranks))}] lack {', '.join(lacking[:8])}")
+    if not parts:  # same names, other shapes or dtypes
+        specs = [set(s.specs) for s in sets.values()]
+        odd = sorted({s.name for s in set.union(*specs) - set.intersection(*specs)})
+        parts.append("same names, different shape or dtype for " + ", ".join(odd[:8]))
+    return "; ".join(parts)
