@@ -1,0 +1,84 @@
+"""Shared test fixtures.
+
+Multi-rank tests run real processes over gloo through ``miles_fsm.launch``;
+``assert_no_leftovers`` checks the process table afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # rank functions import tests' helpers by name
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch is a core dependency
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on a GPU host with `pytest -m gpu`")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def child_pids(pid: int | None = None) -> set[int]:
+    """Live descendants of ``pid`` (default: this process), from /proc."""
+    root = pid or os.getpid()
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    out: set[int] = set()
+    frontier = [root]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in out:
+                out.add(child)
+                frontier.append(child)
+    return out
+
+
+def _is_forkserver(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"forkserver" in f.read()
+    except OSError:
+        return False
+
+
+def rank_processes() -> set[int]:
+    """Live descendants except multiprocessing's forkserver (it lives as long as pytest)."""
+    return {p for p in child_pids() if not _is_forkserver(p)}
+
+
+@pytest.fixture
+def assert_no_leftovers():
+    """Fails the test if it leaves any child process (other than the forkserver) alive."""
+    before = rank_processes()
+    yield
+    import time
+
+    deadline = time.monotonic() + 5.0
+    while True:
+        left = rank_processes() - before
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"processes left behind: {sorted(left)}"
