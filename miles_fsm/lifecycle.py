@@ -26,7 +26,6 @@ import transitions
 from miles_fsm.config import LifecycleConfig
 from miles_fsm.digest import digest_tensors
 from miles_fsm.errors import (
-    MemoryTagError,
     RecoveryError,
     TensorSetChangedError,
     TransitionCancelled,
@@ -36,6 +35,7 @@ from miles_fsm.errors import (
     describe,
 )
 from miles_fsm.guard import Guard
+from miles_fsm.memory import MemoryLedger
 from miles_fsm.plan import TensorSet
 from miles_fsm.states import DEFINITION, Side, State, Step, StepKind, Trigger
 from miles_fsm.tracing import NullTracer, Tracer, TraceSink
@@ -158,7 +158,14 @@ class Lifecycle:
         )
         self._lock = threading.Lock()
         self._epoch = 0
-        self._paused: dict[Side, set[str]] = {Side.TRAINER: set(), Side.ENGINE: set()}
+        self._memory = {
+            Side.TRAINER: MemoryLedger(Side.TRAINER.value, pause=trainer.pause_memory, resume=trainer.resume_memory),
+            Side.ENGINE: MemoryLedger(
+                Side.ENGINE.value,
+                pause=engine.release_memory if engine is not None else _no_engine,
+                resume=engine.resume_memory if engine is not None else _no_engine,
+            ),
+        }
         self._failure: Failure | None = None
         self._in_flight: InFlight | None = None
         self._recorded: tuple[int, TensorSet, dict[str, str]] | None = None
@@ -200,7 +207,7 @@ class Lifecycle:
     @property
     def paused_tags(self) -> Mapping[Side, frozenset[str]]:
         """Memory tags released now, per side. Tracked, because a failure can strand them."""
-        return MappingProxyType({side: frozenset(tags) for side, tags in self._paused.items()})
+        return MappingProxyType({side: ledger.paused for side, ledger in self._memory.items()})
 
     @property
     def tracer(self) -> TraceSink:
@@ -217,8 +224,8 @@ class Lifecycle:
             state=self.state,
             epoch=self._epoch,
             in_flight=self._in_flight,
-            trainer_paused=frozenset(self._paused[Side.TRAINER]),
-            engine_released=frozenset(self._paused[Side.ENGINE]),
+            trainer_paused=self._memory[Side.TRAINER].paused,
+            engine_released=self._memory[Side.ENGINE].paused,
             failure=self._failure,
         )
 
@@ -390,11 +397,14 @@ class Lifecycle:
     def recover(self, to: State | str) -> None:
         """Leave FAILED, declaring what state memory is in.
 
-        Recovery only ever *pauses* memory (always safe). It refuses a target
-        that needs memory that is released now: the contents of a released
-        tag are gone, so recover to PAUSED and rematerialize instead (or
-        reload a checkpoint first). The next guard checks that every rank
-        recovered to the same place.
+        On the trainer side recovery only ever *pauses* memory (always
+        safe). It refuses a target that needs trainer memory that is released
+        now: the contents of a released tag are gone, so recover to PAUSED and
+        rematerialize instead (or reload a checkpoint first). On the engine
+        side it releases or resumes tags to match the target; engine weights
+        resumed here are undefined until the next push, so after recovering to
+        PAUSED, rematerialize before generating. The next guard checks that
+        every rank recovered to the same place.
         """
         target = State(to)
         with self._lock:
@@ -402,19 +412,19 @@ class Lifecycle:
                 raise RecoveryError(target=target.value, reason=f"the rank is {self.state.value}, not FAILED")
             if not target.in_cycle:
                 raise RecoveryError(target=target.value, reason="only the five cycle states can be recovered to")
-            expected = {Side.TRAINER: target.trainer_paused_tags, Side.ENGINE: target.engine_released_tags}
-            sides = [Side.TRAINER] + ([Side.ENGINE] if self._engine is not None else [])
-            for side in sides:
-                lost = sorted(self._paused[side] - expected[side])
-                if lost:
-                    raise RecoveryError(
-                        target=target.value,
-                        reason=f"{side.value} tags {lost} are released and their contents are gone; "
-                        "recover to PAUSED and rematerialize, or reload them first",
-                    )
-            for side in sides:
-                for tag in sorted(expected[side] - self._paused[side]):
-                    self._memory_call(side, "pause", tag)
+            trainer = self._memory[Side.TRAINER]
+            lost = sorted(trainer.paused - target.trainer_paused_tags)
+            if lost:
+                raise RecoveryError(
+                    target=target.value,
+                    reason=f"trainer tags {lost} are released and their contents are gone; "
+                    "recover to PAUSED and rematerialize, or reload them first",
+                )
+            trainer.pause(sorted(target.trainer_paused_tags - trainer.paused))
+            if self._engine is not None:
+                engine = self._memory[Side.ENGINE]
+                engine.pause(sorted(target.engine_released_tags - engine.paused))
+                engine.resume(sorted(engine.paused - target.engine_released_tags))
             failure = self._failure
             self._machine.set_state(target.value, model=self._model)
             self._failure = None
@@ -428,38 +438,22 @@ class Lifecycle:
             )
 
     def close(self) -> None:
-        """Close the trace file. The lifecycle is unusable afterwards only for tracing."""
+        """Close the trace file. Idempotent."""
         self._tracer.close()
+
+    def __enter__(self) -> "Lifecycle":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ----------------------------------------------------------------- actions
 
-    def _memory_call(self, side: Side, op: str, tag: str) -> None:
-        paused = self._paused[side]
-        if (tag in paused) == (op == "pause"):
-            raise MemoryTagError(side=side.value, tag=tag, op=op, paused=paused)
-        if side is Side.TRAINER:
-            (self._trainer.pause_memory if op == "pause" else self._trainer.resume_memory)(tag)
-        else:
-            assert self._engine is not None  # steps for the engine side are skipped without one
-            (self._engine.release_memory if op == "pause" else self._engine.resume_memory)(tag)
-        (paused.add if op == "pause" else paused.discard)(tag)
-
-    def _check_tags(self, side: Side, op: str, tags: tuple[str, ...]) -> None:
-        """Refuse the whole step up front, so a bad step pauses nothing."""
-        paused = self._paused[side]
-        for tag in tags:
-            if (tag in paused) == (op == "pause"):
-                raise MemoryTagError(side=side.value, tag=tag, op=op, paused=paused)
-
     def _pause_memory(self, step: Step, epoch: int) -> None:
-        self._check_tags(step.side, "pause", step.tags)
-        for tag in step.tags:
-            self._memory_call(step.side, "pause", tag)
+        self._memory[step.side].pause(step.tags)
 
     def _resume_memory(self, step: Step, epoch: int) -> None:
-        self._check_tags(step.side, "resume", step.tags)
-        for tag in step.tags:
-            self._memory_call(step.side, "resume", tag)
+        self._memory[step.side].resume(step.tags)
 
     def _backup(self, step: Step, epoch: int) -> StepReport | None:
         return _merge([self._trainer.backup(tag) for tag in step.tags])
@@ -521,6 +515,10 @@ class Lifecycle:
                 if bad:
                     raise VerificationError(epoch=epoch, mismatched=bad, where=f"engine {engine.name}")
         return report
+
+
+def _no_engine(tag: str) -> None:
+    raise RuntimeError("engine steps are skipped when the lifecycle has no engine")  # unreachable by design
 
 
 def _merge(reports: list[StepReport | None]) -> StepReport | None:

@@ -120,6 +120,8 @@ class Intent:
             ("source state", self.source),
             ("destination state", self.dest),
             ("strategy", self.strategy),
-            ("collective plan", ", ".join(map(str, self.collectives)) or "(none)"),
+            # The tensor set first: a tensor-set difference is the usual root
+            # cause of a collective-plan difference, and its report names tensors.
             ("tensor set", f"{len(self.tensors)} tensors #{self.tensors.digest[:12]}"),
+            ("collective plan", ", ".join(map(str, self.collectives)) or "(none)"),
         )

@@ -12,6 +12,7 @@ import itertools
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -94,6 +95,8 @@ class Tracer:
         self.rotated_to = _rotate(self.path)
         # buffering=0: every record is one write(2), durable across SIGKILL.
         self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - owned until close()
+        # A lifecycle dropped without close() still closes its trace quietly.
+        self._finalizer = weakref.finalize(self, self._file.close)
         self._log = structlog.wrap_logger(
             structlog.BytesLogger(self._file),
             processors=[SequenceNumberer(), add_clocks, render_json],
@@ -116,8 +119,7 @@ class Tracer:
         self._log.info(event, **fields)
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        self._finalizer()
 
 
 def _rotate(path: Path) -> Path | None:

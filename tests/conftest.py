@@ -55,17 +55,19 @@ def child_pids(pid: int | None = None) -> set[int]:
     return out
 
 
-def _is_forkserver(pid: int) -> bool:
+def _is_mp_service(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"forkserver" in f.read()
+            cmd = f.read()
     except OSError:
         return False
+    return b"multiprocessing.forkserver" in cmd or b"multiprocessing.resource_tracker" in cmd
 
 
 def rank_processes() -> set[int]:
-    """Live descendants except multiprocessing's forkserver (it lives as long as pytest)."""
-    return {p for p in child_pids() if not _is_forkserver(p)}
+    """Live descendants, except multiprocessing's forkserver and resource tracker,
+    which live exactly as long as the pytest process that started them."""
+    return {p for p in child_pids() if not _is_mp_service(p)}
 
 
 @pytest.fixture

@@ -74,9 +74,9 @@ class ToyTrainer:
         self._call("param_sync")
         if self.world > 1:
             s = self._shard()
-            out = torch.empty_like(self.params["w"])
-            dist.all_gather_into_tensor(out, self.params["w"][s].contiguous())
-            self.params["w"].copy_(out)
+            chunks = list(torch.empty_like(self.params["w"]).chunk(self.world))
+            dist.all_gather(chunks, self.params["w"][s].contiguous())
+            self.params["w"].copy_(torch.cat(chunks))
 
     def pause_memory(self, tag: str) -> None:
         self._call(f"pause:{tag}")

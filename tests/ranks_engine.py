@@ -1,0 +1,96 @@
+"""Rank functions for the engine's multi-process tests (importable by name)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, Trigger
+from miles_fsm.launch import RankContext
+from toy import ToyEngine, ToyTrainer
+
+CYCLE = ("offload", "pause", "rematerialize", "sync", "resume")
+
+
+def build(ctx: RankContext, **trainer_kw: Any) -> tuple[Lifecycle, ToyTrainer]:
+    trainer = ToyTrainer(**trainer_kw)
+    config = LifecycleConfig(
+        guard=GuardConfig(timeout_s=ctx.kwargs.get("timeout_s", 3.0)),
+        trace_dir=ctx.kwargs.get("trace_dir"),
+    )
+    return Lifecycle(trainer=trainer, engine=ToyEngine(), config=config), trainer
+
+
+def cycles(ctx: RankContext) -> dict[str, Any]:
+    """Run whole cycles; optionally this rank freezes a param or hangs before a guard."""
+    frozen = ctx.kwargs.get("frozen", {}).get(ctx.rank, ())
+    lc, trainer = build(ctx, frozen=frozen)
+    lc.start()
+    hang = ctx.kwargs.get("hang_rank") == ctx.rank
+
+    def stall() -> None:
+        if hang:
+            time.sleep(3600)
+
+    for _ in range(ctx.kwargs.get("cycles", 2)):
+        for t in CYCLE:
+            lc.fire(t, before_guard=stall if t == "sync" else None)
+    return {"calls": trainer.calls, "state": lc.state.value, "epoch": lc.epoch, "w": trainer.params["w"].float().sum().item()}
+
+
+def failing_step(ctx: RankContext) -> dict[str, Any]:
+    """Every rank's rematerialize cast fails; report what the machine says afterwards."""
+    lc, trainer = build(ctx)
+    lc.start()
+    lc.offload()
+    lc.pause()
+    trainer.fail_on = "cast_main_to_params"
+    try:
+        lc.rematerialize()
+    except RuntimeError as exc:
+        err = str(exc)
+    else:  # pragma: no cover - the test asserts on this
+        err = None
+    refused = None
+    try:
+        lc.sync()
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type
+        refused = type(exc).__name__
+    failure = lc.failure
+    return {
+        "error": err,
+        "state": lc.state.value,
+        "failure_step": failure.step if failure else None,
+        "refused": refused,
+        "paused": sorted(lc.paused_tags[next(iter(lc.paused_tags))]),
+    }
+
+
+def double_pause(ctx: RankContext) -> dict[str, Any]:
+    """A second pause of a paused trainer tag is refused and never reaches the driver."""
+    from miles_fsm import MemoryTagError, Side
+
+    lc, trainer = build(ctx)
+    lc.start()
+    lc.offload()
+    before = list(trainer.calls)
+    ledger = lc._memory[Side.TRAINER]  # the ledger the machine uses; exercised directly here
+    try:
+        ledger.pause(["default"])
+    except MemoryTagError as exc:
+        return {"error": type(exc).__name__, "tag": exc.tag, "new_calls": trainer.calls[len(before):]}
+    return {"error": None}
+
+
+def illegal(ctx: RankContext) -> dict[str, Any]:
+    """An illegal trigger raises and changes nothing, on every rank."""
+    from miles_fsm import TransitionNotAllowed
+
+    lc, trainer = build(ctx)
+    lc.start()
+    calls = list(trainer.calls)
+    try:
+        lc.fire(Trigger.SYNC)
+    except TransitionNotAllowed as exc:
+        return {"state": lc.state.value, "exc_state": exc.state, "trigger": exc.trigger, "same_calls": calls == trainer.calls}
+    return {"state": lc.state.value, "exc_state": None}

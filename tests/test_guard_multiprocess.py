@@ -1,0 +1,100 @@
+"""The consensus guard in real multi-process gloo groups."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import ranks_engine
+from miles_fsm.launch import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def test_agreeing_ranks_pass_the_guard_and_run(assert_no_leftovers):
+    """a. Ranks that agree pass every guard and complete their cycles with identical params."""
+    out = run_ranks(ranks_engine.cycles, 3, timeout_s=60, kwargs={"cycles": 2})
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert {o.result["state"] for o in out} == {"TRAINING"}
+    assert {o.result["epoch"] for o in out} == {2}
+    assert len({o.result["w"] for o in out}) == 1
+    assert all(o.result["calls"].count("param_sync") == 2 for o in out)
+
+
+@pytest.mark.parametrize("frozen", ["b", "w"])
+def test_one_rank_with_another_tensor_set_fails_every_rank_before_the_collective(frozen, assert_no_leftovers):
+    """b. A rank that alone treats a param as frozen makes every rank raise RankDivergenceError,
+    naming it and the tensor, and no rank enters the param all-gather."""
+    out = run_ranks(ranks_engine.cycles, 3, timeout_s=60, kwargs={"frozen": {2: [frozen]}})
+    for o in out:
+        assert o.error is not None and o.error.type == "RankDivergenceError", o
+        assert o.error.attrs["culprits"] == (2,)
+        assert o.error.attrs["field"] == "tensor set"
+        assert f"ranks [2] lack {frozen}" in o.error.message
+        assert o.exitcode == 1
+    # The guard of the first sync failed, so no rank ever called param_sync.
+    # (Each rank's calls are lost with its process; the trace would show them.
+    # Here the error says 'sync (epoch 1)' and the guard runs before the first step.)
+    assert all("before sync (epoch 1)" in o.error.message for o in out)
+
+
+def test_divergence_never_enters_the_collective(tmp_path, assert_no_leftovers):
+    """b. The traces prove it: no rank started the param_sync action in the diverged transition."""
+    import orjson
+
+    out = run_ranks(
+        ranks_engine.cycles, 2, timeout_s=60, kwargs={"frozen": {1: ["b"]}, "trace_dir": str(tmp_path)}
+    )
+    assert all(o.error is not None and o.error.type == "RankDivergenceError" for o in out)
+    for r in range(2):
+        records = [orjson.loads(line) for line in (tmp_path / f"rank-{r}.jsonl").read_bytes().splitlines()]
+        started = [x for x in records if x["event"] == "action_started" and x["trigger"] == "sync"]
+        assert started == []
+        assert records[-1]["event"] == "transition_failed"
+        assert records[-1]["phase"] == "guard"
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_timeout(assert_no_leftovers):
+    """c. A rank stuck before its guard makes the others raise GuardTimeoutError naming it,
+    within timeout + 2 s."""
+    timeout = 3.0
+    t0 = time.monotonic()
+    out = run_ranks(
+        ranks_engine.cycles, 3, timeout_s=60, linger_s=timeout + 2, kwargs={"hang_rank": 1, "timeout_s": timeout}
+    )
+    survivors = [o for o in out if o.rank != 1]
+    for o in survivors:
+        assert o.error is not None and o.error.type == "GuardTimeoutError", o
+        assert o.error.attrs["missing"] == (1,)
+        assert o.elapsed_s is not None and o.elapsed_s < timeout + 2 + 2.0  # + startup of the first cycle
+    assert out[1].result is None  # the hung rank was killed, not finished
+    assert time.monotonic() - t0 < 30
+
+
+def test_illegal_trigger_changes_nothing(assert_no_leftovers):
+    """d. An illegal trigger raises TransitionNotAllowed and changes neither state nor driver."""
+    out = run_ranks(ranks_engine.illegal, 2, timeout_s=60)
+    for o in out:
+        assert o.ok, o.error
+        assert o.result == {"state": "TRAINING", "exc_state": "TRAINING", "trigger": "sync", "same_calls": True}
+
+
+def test_failing_step_lands_in_failed(assert_no_leftovers):
+    """e. A step that raises moves the rank to FAILED with the cause kept; FAILED refuses triggers."""
+    out = run_ranks(ranks_engine.failing_step, 2, timeout_s=60)
+    for o in out:
+        assert o.ok, o.error
+        r = o.result
+        assert r["error"] == "injected failure in cast_main_to_params"
+        assert r["state"] == "FAILED"
+        assert r["failure_step"] == "cast_main_to_params"
+        assert r["refused"] == "TransitionNotAllowed"
+
+
+def test_double_pause_is_refused(assert_no_leftovers):
+    """f. Pausing an already paused tag raises MemoryTagError and sends nothing to the driver."""
+    out = run_ranks(ranks_engine.double_pause, 2, timeout_s=60)
+    for o in out:
+        assert o.ok, o.error
+        assert o.result == {"error": "MemoryTagError", "tag": "default", "new_calls": []}

@@ -1,0 +1,97 @@
+"""Per-rank traces: one flushed JSON line per record, survives SIGKILL, leaves the host's logging alone."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import orjson
+import structlog
+
+from miles_fsm import Lifecycle, LifecycleConfig
+from miles_fsm.tracing import SCHEMA_VERSION, Tracer
+from toy import ToyEngine, ToyTrainer
+
+REQUIRED = {"v", "rank", "world", "epoch", "seq", "mono_ns", "wall", "event", "state", "trigger"}
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return [orjson.loads(x) for x in f.read().splitlines()]
+
+
+def test_every_record_carries_the_schema_fields(tmp_path):
+    """Each record has version, rank, world, epoch, seq, both clocks, event, state and trigger."""
+    with Lifecycle(trainer=ToyTrainer(), engine=ToyEngine(), config=LifecycleConfig(trace_dir=tmp_path)) as lc:
+        lc.start()
+        lc.offload()
+    records = read(tmp_path / "rank-0.jsonl")
+    assert all(REQUIRED <= r.keys() for r in records)
+    assert {r["v"] for r in records} == {SCHEMA_VERSION}
+    events = [r["event"] for r in records]
+    assert events[0] == "trace_opened"
+    assert events.count("transition_finished") == 2
+    finished = [r for r in records if r["event"] == "action_finished"]
+    assert all(isinstance(r["duration_s"], float) for r in finished)
+    assert any(r["bytes_moved"] for r in finished if r["action"] == "backup(actor)")
+
+
+def test_existing_trace_is_rotated_not_overwritten(tmp_path):
+    """A second run in the same directory keeps the first run's file as rank-0.jsonl.1."""
+    for _ in range(2):
+        Tracer(tmp_path, rank=0, world=1).close()
+    assert (tmp_path / "rank-0.jsonl.1").exists()
+    assert read(tmp_path / "rank-0.jsonl")[0]["rotated_to"].endswith("rank-0.jsonl.1")
+
+
+def test_host_logging_configuration_is_untouched(tmp_path):
+    """Tracing neither configures structlog globally nor adds handlers to the root logger."""
+    before = structlog.get_config()
+    handlers = list(logging.getLogger().handlers)
+    t = Tracer(tmp_path, rank=0, world=1)
+    t.emit("x", epoch=0, state=None, trigger=None)
+    t.close()
+    assert structlog.get_config() == before
+    assert logging.getLogger().handlers == handlers
+
+
+def test_trace_of_a_sigkilled_rank_parses_up_to_the_kill(tmp_path):
+    """A rank killed with SIGKILL inside a transition leaves a trace whose every complete line parses,
+    ending inside the transition it was running."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from toy import ToyEngine, ToyTrainer
+        from miles_fsm import Lifecycle, LifecycleConfig
+        trainer = ToyTrainer()
+        def slow_backup(tag, _orig=trainer.backup):
+            if tag == "actor":
+                print("inside", flush=True)
+                time.sleep(60)
+            return _orig(tag)
+        trainer.backup = slow_backup
+        lc = Lifecycle(trainer=trainer, engine=ToyEngine(), config=LifecycleConfig(trace_dir={str(tmp_path)!r}))
+        lc.start()
+        lc.offload()
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"inside"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    records = read(tmp_path / "rank-0.jsonl")
+    assert records[-1]["event"] == "action_started"
+    assert records[-1]["action"] == "backup(actor)"
+    assert records[-1]["trigger"] == "offload"
+    assert [r["seq"] for r in records] == list(range(len(records)))
