@@ -13,18 +13,25 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "BufferRoutingError",
     "ConfigError",
     "DefinitionError",
     "EngineRequestError",
     "EngineSessionError",
+    "EngineUpdateError",
+    "FaultLocatedError",
     "GuardError",
     "GuardTimeoutError",
+    "HostCopyMissingError",
     "IneligibleModelError",
     "LastSeen",
+    "MemoryReleasedError",
     "MemoryTagError",
     "MilesFsmError",
+    "MissingDependencyError",
     "PeerLostError",
     "RankDivergenceError",
+    "RankFailedError",
     "RecoveryError",
     "TensorSetChangedError",
     "TransitionCancelled",
@@ -124,6 +131,7 @@ class RankDivergenceError(GuardError, RuntimeError):
         field: str,
         groups: Mapping[str, Sequence[int]],
         detail: str = "",
+        culprits: Sequence[int] | None = None,
     ) -> None:
         self.epoch = epoch
         self.trigger = trigger
@@ -131,7 +139,7 @@ class RankDivergenceError(GuardError, RuntimeError):
         self.groups = {k: tuple(v) for k, v in groups.items()}
         self.detail = detail
         minority = min(self.groups.values(), key=len) if self.groups else ()
-        self.culprits = tuple(minority)
+        self.culprits = tuple(culprits) if culprits else tuple(minority)
         lines = [f"  ranks [{_ranks(v)}]: {k}" for k, v in self.groups.items()]
         super().__init__(
             f"ranks disagree on {field} before {trigger} (epoch {epoch}); no collective was "
@@ -316,6 +324,128 @@ class EngineSessionError(MilesFsmError, RuntimeError):
         self.op = op
         self.detail = detail
         super().__init__(f"engine {engine}: weight-update session error during {op}: {detail}")
+
+
+class MemoryReleasedError(MilesFsmError, RuntimeError):
+    """Work was asked of memory that is released (or came back without its contents)."""
+
+    def __init__(self, *, owner: str, op: str, tags: Sequence[str], reason: str = "") -> None:
+        self.owner = owner
+        self.op = op
+        self.tags = tuple(sorted(tags))
+        self.reason = reason
+        why = reason or "they are released"
+        super().__init__(
+            f"{owner} cannot {op}: memory tag(s) [{', '.join(self.tags)}] are not usable ({why}). "
+            "Resume them and reload their contents (push weights, restore) first."
+        )
+
+
+class FaultLocatedError(MilesFsmError, RuntimeError):
+    """This rank failed because of another rank (or itself), and the evidence says which."""
+
+    def __init__(self, *, rank: int, culprits: Sequence[int], evidence: str, cause: str) -> None:
+        self.rank = rank
+        self.culprits = tuple(sorted(culprits))
+        self.evidence = evidence
+        self.cause = cause
+        super().__init__(
+            f"rank {rank} stopped; culprit rank(s) {_ranks(self.culprits)}: {evidence}. "
+            f"Error seen here: {cause}. Read the culprit's trace with `miles-fsm replay`."
+        )
+
+
+class EngineUpdateError(EngineRequestError):
+    """One engine of a group failed mid-update; names it, the step, and every session still open."""
+
+    def __init__(
+        self,
+        *,
+        engine: str,
+        op: str,
+        status: int | None,
+        message: str,
+        closed: Sequence[str],
+        left_open: Sequence[str],
+    ) -> None:
+        self.engine = engine
+        self.op = op
+        self.status = status
+        self.message = message
+        self.closed = tuple(closed)
+        self.left_open = tuple(left_open)
+        code = f"HTTP {status}" if status is not None else "no response"
+        if self.left_open:
+            sessions = (
+                f" Weight-update sessions are STILL OPEN on [{', '.join(self.left_open)}]: end them "
+                "(driver.close_sessions() or POST /end_weight_update) or restart those engines before "
+                "the next push."
+            )
+        else:
+            sessions = " No weight-update session is left open."
+        closed_part = f" Sessions closed after the failure: [{', '.join(self.closed)}]." if self.closed else ""
+        MilesFsmError.__init__(
+            self,
+            f"engine {engine}: weight update failed in {op} ({code}): {message}.{closed_part}{sessions} "
+            "The engines do not serve the pushed weights: push again before generating.",
+        )
+
+
+class MissingDependencyError(MilesFsmError, ImportError):
+    """An optional dependency a driver needs is not installed."""
+
+    def __init__(self, *, package: str, extra: str | None, needed_for: str) -> None:
+        self.package = package
+        self.extra = extra
+        self.needed_for = needed_for
+        how = f"pip install 'miles-fsm[{extra}]'" if extra else f"pip install {package}"
+        super().__init__(f"{needed_for} needs the {package!r} package, which is not installed; run: {how}")
+
+
+class HostCopyMissingError(MilesFsmError, KeyError):
+    """A host copy was asked for a tag that was never backed up."""
+
+    def __init__(self, *, tag: str, held: Sequence[str]) -> None:
+        self.tag = tag
+        self.held = tuple(sorted(held))
+        super().__init__(
+            f"no host copy of tag {tag!r} is held (held: [{', '.join(self.held)}]); "
+            f"call backup({tag!r}) or copy(src, {tag!r}) first"
+        )
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class BufferRoutingError(MilesFsmError, RuntimeError):
+    """megatron allocated a DDP buffer differently than the region routing expects."""
+
+    def __init__(self, *, buffer: str, expected: Sequence[str], detail: str) -> None:
+        self.buffer = buffer
+        self.expected = tuple(expected)
+        self.detail = detail
+        super().__init__(
+            f"could not place megatron's {buffer} in memory tags [{', '.join(self.expected)}]: {detail}. "
+            "This megatron-core version allocates its param/grad buffers differently; pausing those "
+            "tags would free nothing (or the wrong memory). Report the megatron-core version."
+        )
+
+
+class RankFailedError(MilesFsmError, RuntimeError):
+    """A task waited for a state, and the rank went FAILED instead."""
+
+    def __init__(self, *, rank: int, waiting_for: str, trigger: str, epoch: int, step: str | None, cause: str) -> None:
+        self.rank = rank
+        self.waiting_for = waiting_for
+        self.trigger = trigger
+        self.epoch = epoch
+        self.step = step
+        self.cause = cause
+        super().__init__(
+            f"rank {rank} went FAILED in {trigger} (epoch {epoch}, in {step or 'guard'}: {cause}) while "
+            f"a task waited for {waiting_for}; it will not get there until someone calls "
+            "recover(to=...) once it is known what state memory is in."
+        )
 
 
 def describe(exc: BaseException) -> dict[str, Any]:

@@ -11,6 +11,9 @@ state, by every rank that did.
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
 import time
 from collections import defaultdict
 from datetime import timedelta
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["Guard"]
 
 _PREFIX = "miles_fsm/last/"
+_ARRIVED = "entered guard of"
 
 #: After a peer is lost, how long to let the other survivors publish their
 #: arrival before naming who is missing. Short: they were all about to arrive.
@@ -58,6 +62,8 @@ class Guard:
         self._group = group
         self._store = store
         self._buf = torch.zeros(2, dtype=torch.int64)
+        self._view = self._buf.numpy()  # element access through numpy costs ~0.1 us, torch's ~2 us
+        self._publisher = _Publisher(store, f"{_PREFIX}{rank}") if world > 1 else None
 
     @classmethod
     def solo(cls) -> "Guard":
@@ -89,30 +95,27 @@ class Guard:
         """Return when every rank holds the same intent; raise a GuardError otherwise."""
         if self.world == 1:
             return
-        self._publish(intent, state, "entered guard of")
+        # Published off the hot path: a store round trip costs about as much
+        # as the all-reduce itself, and the all-reduce releases the GIL.
+        self._publisher.post(_record(intent.epoch, intent.trigger, state, _ARRIVED))
         key = intent.key
-        self._buf[0] = key
-        self._buf[1] = -key
+        self._view[0] = key
+        self._view[1] = -key
         started = time.monotonic()
         try:
             dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group)
         except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
+            # Make sure our own arrival is in the store before judging others'.
+            self._publisher.set_now(_record(intent.epoch, intent.trigger, state, _ARRIVED))
             raise self._missing_error(intent, exc, time.monotonic() - started) from exc
-        if int(self._buf[0]) != -int(self._buf[1]):
+        if self._view[0] != -self._view[1]:
             raise self._divergence(intent)
 
     def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str) -> None:
         """Tell the store that this rank failed, so peers do not call it missing."""
         if self.world == 1:
             return
-        self._set(intent_epoch, trigger, state, phase)
-
-    def _publish(self, intent: Intent, state: str, phase: str) -> None:
-        self._set(intent.epoch, intent.trigger, state, phase)
-
-    def _set(self, epoch: int, trigger: str, state: str, phase: str) -> None:
-        record = {"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()}
-        self._store.set(f"{_PREFIX}{self.rank}", orjson.dumps(record))
+        self._publisher.set_now(_record(intent_epoch, trigger, state, phase))
 
     def last_seen(self) -> dict[int, LastSeen | None]:
         """What the store last heard from each rank (None: nothing, or store unreachable)."""
@@ -131,7 +134,7 @@ class Guard:
             seen is not None
             and seen.epoch == intent.epoch
             and seen.trigger == intent.trigger
-            and seen.phase == "entered guard of"
+            and seen.phase == _ARRIVED
         )
 
     def _missing_error(self, intent: Intent, exc: RuntimeError, waited: float) -> Exception:
@@ -161,6 +164,53 @@ class Guard:
         return explain_divergence(intents)
 
 
+def _record(epoch: int, trigger: str, state: str, phase: str) -> bytes:
+    return orjson.dumps({"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()})
+
+
+class _Publisher:
+    """Writes this rank's latest whereabouts to the store from a daemon thread.
+
+    Only the newest record matters: a burst of posts costs one write, and a
+    background write never overwrites a newer ``set_now`` (the failure path's
+    synchronous write).
+    """
+
+    def __init__(self, store: Any, key: str) -> None:
+        self._store = store
+        self._key = key
+        self._queue: queue.SimpleQueue[tuple[int, bytes]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._next = itertools.count(1).__next__
+        self._written = 0
+        threading.Thread(target=self._run, name="miles-fsm-guard-publisher", daemon=True).start()
+
+    def post(self, record: bytes) -> None:
+        self._queue.put((self._next(), record))
+
+    def set_now(self, record: bytes) -> None:
+        with self._lock:
+            n = self._next()
+            self._store.set(self._key, record)
+            self._written = n
+
+    def _run(self) -> None:
+        while True:
+            n, record = self._queue.get()
+            while not self._queue.empty():
+                n, record = self._queue.get()
+            with self._lock:
+                if n < self._written:
+                    continue
+                try:
+                    self._store.set(self._key, record)
+                except RuntimeError:
+                    # The store's host is gone; the guard's failure path reports
+                    # that, and the trace keeps everything the store would have.
+                    return
+                self._written = n
+
+
 def explain_divergence(intents: "Sequence[Intent]") -> RankDivergenceError:
     """Group ranks by intent and name the first field that differs (rank r is intents[r])."""
     by_field = [dict(i.fields()) for i in intents]
@@ -170,15 +220,34 @@ def explain_divergence(intents: "Sequence[Intent]") -> RankDivergenceError:
     for r, f in enumerate(by_field):
         groups[f[field]].append(r)
     detail = ""
-    if field == "tensor set":
-        detail = _tensor_set_detail(intents, groups)
+    # A different tensor set usually explains a different collective plan too
+    # (a dropped param shrinks the buffer), so name the tensors either way.
+    if len({i.tensors.digest for i in intents}) > 1:
+        by_set: dict[str, list[int]] = defaultdict(list)
+        for r, i in enumerate(intents):
+            by_set[i.tensors.digest].append(r)
+        detail = _tensor_set_detail(intents, by_set)
     return RankDivergenceError(
         epoch=min(i.epoch for i in intents),
         trigger=intents[0].trigger,
         field=field,
         groups=groups,
         detail=detail,
+        culprits=_tie_break(intents, groups),
     )
+
+
+def _tie_break(intents: "Sequence[Intent]", groups: dict[str, list[int]]) -> list[int] | None:
+    """On a tie for the smallest group (e.g. 1 vs 1), suspect the ranks whose tensor set lacks
+    tensors that others hold: the seed's case is a rank that alone treats a param as frozen.
+    None keeps the default (the unique minority)."""
+    smallest = min(len(v) for v in groups.values())
+    tied = [ranks for ranks in groups.values() if len(ranks) == smallest]
+    if len(tied) < 2:
+        return None
+    union = frozenset().union(*(i.tensors.names for i in intents))
+    lacking = sorted(r for ranks in tied for r in ranks if intents[r].tensors.names < union)
+    return lacking or None
 
 
 def _tensor_set_detail(intents: "Sequence[Intent]", groups: dict[str, list[int]]) -> str:

@@ -92,13 +92,10 @@ class Intent:
     collectives: tuple[Collective, ...]
     tensors: TensorSet
 
-    @property
-    def collectives_digest(self) -> str:
-        return _digest(";".join(map(str, self.collectives)))
+    key: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def key(self) -> int:
-        """A 62-bit fingerprint of the whole intent, for the guard's all-reduce."""
+    def __post_init__(self) -> None:
+        # The guard reads the key once per transition; hash here, once.
         text = "|".join(
             (
                 str(self.epoch),
@@ -106,11 +103,13 @@ class Intent:
                 self.source,
                 self.dest,
                 self.strategy,
-                self.collectives_digest,
+                _digest(";".join(map(str, self.collectives))),
                 self.tensors.digest,
             )
         )
-        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
+        # 62 bits, so that both k and -k fit in the guard's int64 all-reduce.
+        key = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
+        object.__setattr__(self, "key", key)
 
     def fields(self) -> tuple[tuple[str, str], ...]:
         """The compared fields, in the order a divergence report names them."""
