@@ -107,7 +107,7 @@ class MegatronDriverConfig:
             (not self.lora, "LoRA must be off: adapters are not rebuilt from the master weights"),
             (self.optimizer_enabled, "the optimizer must be enabled: the fp32 master weights live in it"),
             (
-                self.independent_dp_cells == 1,
+                self.independent_dp_cells <= 1,
                 f"independent DP cells must be off (got {self.independent_dp_cells} cells): "
                 "the param all-gather would cross cells",
             ),
@@ -133,7 +133,7 @@ class MegatronDriverConfig:
             ),
             (self.compute_advantages, "advantages must be computed (no reward-only/eval-only steps)"),
             (
-                self.critic_only_steps == 0,
+                self.critic_only_steps <= 0,
                 f"critic-only steps must be 0, got {self.critic_only_steps}: the actor is offloaded unchanged",
             ),
         )

@@ -14,7 +14,7 @@ __all__ = ["main"]
 
 #: Modules of ``miles_fsm`` that each define ``add_parser(subparsers)``; the
 #: parser they add sets ``run=callable(args) -> exit code``.
-_SUBCOMMANDS = ("diagram",)
+_SUBCOMMANDS = ("demo", "diagram", "replay")
 
 
 def _build_parser() -> argparse.ArgumentParser:

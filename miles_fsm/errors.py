@@ -33,6 +33,7 @@ __all__ = [
     "RankDivergenceError",
     "RankFailedError",
     "RecoveryError",
+    "ResumeMemoryError",
     "TensorSetChangedError",
     "TransitionCancelled",
     "TransitionNotAllowed",
@@ -445,6 +446,21 @@ class RankFailedError(MilesFsmError, RuntimeError):
             f"rank {rank} went FAILED in {trigger} (epoch {epoch}, in {step or 'guard'}: {cause}) while "
             f"a task waited for {waiting_for}; it will not get there until someone calls "
             "recover(to=...) once it is known what state memory is in."
+        )
+
+
+class ResumeMemoryError(MilesFsmError, MemoryError):
+    """A resume was refused because the device has too little free memory for it."""
+
+    def __init__(self, *, owner: str, tag: str, needed: int, free: int) -> None:
+        self.owner = owner
+        self.tag = tag
+        self.needed = needed
+        self.free = free
+        super().__init__(
+            f"{owner}: refused to resume memory tag {tag!r}: it needs at least {needed} bytes and the device "
+            f"has {free} free. torch_memory_saver kills the process when a resume runs out of memory, so "
+            "nothing was resumed; free device memory first (release the engine's tags, empty caches)."
         )
 
 

@@ -83,6 +83,9 @@ def apply_cpu_patches() -> None:
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # Noise from megatron's own calls on CPU; the children are not under pytest's filters.
+    for message in (".*is deprecated.*", ".*non-leaf Tensor.*", ".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=message)
     _APPLIED = True
 
 
@@ -109,6 +112,7 @@ def build_tiny_gpt(
     frozen: tuple[str, ...] = (),
     with_extras: bool = True,
     bucket_size: int | None = None,
+    saver: Any = None,
 ) -> TinyGPT:
     """Build a GPT (local layer spec, CPU init) in bf16 under DDP + distributed optimizer.
 
@@ -116,7 +120,13 @@ def build_tiny_gpt(
     ``requires_grad=False``: DDP skips those, which makes the model
     ineligible for rematerialize. ``with_extras`` adds an fp32 param and an
     fp32 ``expert_bias`` buffer, the two kinds of extras megatron models carry.
+    With ``saver``, the DDP param and grad buffers are allocated through it
+    under the ``param_buffer`` and ``grad_buffer`` tags.
     """
+    import contextlib
+
+    from miles_fsm.drivers.megatron import ddp_buffers_in_tags
+
     apply_cpu_patches()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -168,7 +178,8 @@ def build_tiny_gpt(
         use_distributed_optimizer=True,
         bucket_size=bucket_size,
     )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    with ddp_buffers_in_tags(saver) if saver is not None else contextlib.nullcontext():
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=1e-3,
@@ -215,3 +226,186 @@ def train_step(gpt: TinyGPT, *, step: int) -> float:
         if name.endswith("expert_bias"):
             buf.add_(0.001 * (step + 1))
     return float(loss.detach())
+
+
+# --------------------------------------------------------------------------- rank functions
+# Module-level so ``miles_fsm.launch.run_ranks`` can import them in each child.
+
+
+def _lifecycle(driver: Any, *, guard_timeout_s: float = 30.0) -> Any:
+    from miles_fsm.config import GuardConfig, LifecycleConfig
+    from miles_fsm.lifecycle import Lifecycle
+
+    cfg = LifecycleConfig(guard=GuardConfig(timeout_s=guard_timeout_s), verify=driver.config.verify)
+    return Lifecycle(trainer=driver, config=cfg)
+
+
+def _cycle(lc: Any, *, between: Any = None) -> None:
+    lc.offload()
+    lc.pause()
+    if between is not None:
+        between()
+    lc.rematerialize()
+    lc.sync()
+    lc.resume()
+
+
+def rank_full_cycles(ctx: Any) -> dict[str, Any]:
+    """Full lifecycle cycles with real training between them; every cycle verified by SHA256.
+
+    Returns what the test asserts on: digests per cycle, the saver's resident
+    bytes in PAUSED, host bytes, pause-state independence of the plan, the
+    ``copy`` semantics, and a negative control (no cast: verification fails).
+    """
+    apply_cpu_patches()
+    from miles_fsm.digest import digest_tensors
+    from miles_fsm.drivers.cpu_memory import CpuMemorySaver
+    from miles_fsm.drivers.megatron import MegatronTrainer
+    from miles_fsm.drivers.megatron_config import MegatronDriverConfig
+    from miles_fsm.errors import MemoryReleasedError, VerificationError
+    from miles_fsm.states import Step, StepKind, Strategy
+
+    strategy = Strategy(ctx.kwargs["strategy"])
+    saver = CpuMemorySaver()
+    gpt = build_tiny_gpt(saver=saver)
+    config = MegatronDriverConfig.from_megatron(gpt.chunks, gpt.optimizer, strategy=strategy, ci=True)
+    driver = MegatronTrainer(chunks=gpt.chunks, optimizer=gpt.optimizer, config=config, memory=saver)
+    lc = _lifecycle(driver)
+    lc.start()
+    out: dict[str, Any] = {"cycles": [], "paused_resident": [], "resident_training": saver.resident_bytes()}
+    sync = Step(StepKind.PARAM_SYNC)
+    for cycle in range(ctx.kwargs.get("cycles", 3)):
+        train_step(gpt, step=cycle)
+        before = digest_tensors(driver.tensors())
+        plan_training = (driver.tensor_set(), driver.collectives(sync))
+
+        def in_paused() -> None:
+            out["paused_resident"].append(saver.resident_bytes(["param_buffer", "grad_buffer"]))
+            # The plan must not read pause state: the same in PAUSED as in TRAINING.
+            out.setdefault("plan_same_when_paused", []).append(
+                (driver.tensor_set(), driver.collectives(sync)) == plan_training
+            )
+            try:
+                driver.copy("actor", "old_actor")
+            except MemoryReleasedError as exc:
+                out["copy_refused_when_paused"] = exc.tags
+
+        lc.offload()
+        driver.copy("actor", "old_actor")
+        out.setdefault("old_actor_exact", []).append(digest_tensors(dict(driver.get("old_actor"))) == before)
+        lc.pause()
+        in_paused()
+        lc.rematerialize()
+        lc.sync()
+        lc.resume()
+        after = digest_tensors(driver.tensors())
+        out["cycles"].append({"epoch": lc.epoch, "exact": after == before, "tensors": len(after)})
+    out["actor_host_bytes"] = driver.host_bytes("actor")
+    out["model_bytes"] = sum(t.numel() * t.element_size() for t in driver.tensors().values())
+    out["collectives"] = [str(c) for c in driver.collectives(sync)]
+    out["state"] = lc.state.value
+    out["strategy"] = driver.strategy.value
+    if strategy is Strategy.REMATERIALIZE:
+        # Negative control: skip the cast, and the poisoned param buffer must be caught.
+        train_step(gpt, step=99)
+        driver.cast_main_to_params = lambda: None  # type: ignore[method-assign]
+        try:
+            _cycle(lc)
+        except VerificationError as exc:
+            out["no_cast_caught"] = len(exc.mismatched)
+    return out
+
+
+class _CountingSync:
+    """Wraps a chunk's start_param_sync to count how often the all-gather was entered."""
+
+    def __init__(self, chunk: Any) -> None:
+        self.calls = 0
+        self._inner = chunk.start_param_sync
+        chunk.start_param_sync = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self._inner(*args, **kwargs)
+
+
+def rank_structure_and_divergence(ctx: Any) -> dict[str, Any]:
+    """Construction-time refusals, then a tensor-set divergence on rank 1 caught by the guard.
+
+    1. A GPT with a frozen param is refused under rematerialize, naming it;
+       naming it in ``extra_params``, or the backup strategy, accepts it.
+    2. A config that disagrees with the megatron objects is refused, all at once.
+    3. A healthy cycle, then rank 1 alone registers a new buffer: the guard of
+       the SYNC transition fails on every rank before any ``start_param_sync``.
+    """
+    apply_cpu_patches()
+    from miles_fsm.drivers.cpu_memory import CpuMemorySaver
+    from miles_fsm.drivers.megatron import MegatronTrainer
+    from miles_fsm.drivers.megatron_config import MegatronDriverConfig
+    from miles_fsm.errors import ConfigError, IneligibleModelError, RankDivergenceError
+    from miles_fsm.states import Strategy
+
+    out: dict[str, Any] = {}
+    frozen = build_tiny_gpt(frozen=("final_layernorm.weight",), with_extras=False)
+    try:
+        MegatronTrainer(chunks=frozen.chunks, optimizer=frozen.optimizer)
+    except IneligibleModelError as exc:
+        out["ineligible"] = list(exc.params)
+        out["ineligible_message"] = str(exc)
+    name = "module.decoder.final_layernorm.weight"
+    ok = MegatronTrainer(
+        chunks=frozen.chunks,
+        optimizer=frozen.optimizer,
+        config=MegatronDriverConfig.from_megatron(frozen.chunks, frozen.optimizer, extra_params=(name,)),
+    )
+    out["extra_param_backed_up"] = name in ok._extras()
+    backup = MegatronTrainer(
+        chunks=frozen.chunks,
+        optimizer=frozen.optimizer,
+        config=MegatronDriverConfig.from_megatron(frozen.chunks, frozen.optimizer, strategy=Strategy.BACKUP),
+    )
+    out["backup_accepts_frozen"] = backup.strategy.value
+    try:
+        MegatronTrainer(
+            chunks=frozen.chunks,
+            optimizer=frozen.optimizer,
+            config=MegatronDriverConfig(
+                strategy=Strategy.BACKUP,
+                use_distributed_optimizer=False,
+                overlap_param_gather=True,
+                extra_params=("nope",),
+            ),
+        )
+    except ConfigError as exc:
+        out["mismatch_violations"] = list(exc.violations)
+
+    saver = CpuMemorySaver()
+    gpt = build_tiny_gpt(saver=saver)
+    driver = MegatronTrainer(
+        chunks=gpt.chunks,
+        optimizer=gpt.optimizer,
+        config=MegatronDriverConfig.from_megatron(gpt.chunks, gpt.optimizer, ci=True),
+        memory=saver,
+    )
+    counters = [_CountingSync(chunk) for chunk in gpt.chunks]
+    lc = _lifecycle(driver, guard_timeout_s=20.0)
+    lc.start()
+    train_step(gpt, step=0)
+    _cycle(lc)
+    out["syncs_after_healthy_cycle"] = [c.calls for c in counters]
+    train_step(gpt, step=1)  # the optimizer's own param sync runs here, outside the lifecycle
+    out["syncs_before_divergent_cycle"] = [c.calls for c in counters]
+
+    def diverge() -> None:
+        # The seed's bug in miniature: one rank's tensor set differs from the others'.
+        if ctx.rank == 1:
+            norm = gpt.chunks[0].module.module.decoder.final_layernorm
+            norm.register_buffer("stray_bias", torch.zeros(8))
+
+    try:
+        _cycle(lc, between=diverge)
+    except RankDivergenceError as exc:
+        out["divergence"] = {"field": exc.field, "groups": {k: list(v) for k, v in exc.groups.items()}}
+    out["syncs_after_divergence"] = [c.calls for c in counters]
+    out["state"] = lc.state.value
+    return out

@@ -1,0 +1,440 @@
+"""The Megatron trainer driver: megatron-core DDP chunks and the distributed optimizer.
+
+``MegatronTrainer`` implements ``TrainerDriver`` over the model chunks
+(``DistributedDataParallel``) and the optimizer (a ``ChainedOptimizer`` of
+``DistributedOptimizer``s, as ``get_megatron_optimizer`` returns) a trainer
+already has. Two strategies bring the actor's bf16 params back after the
+engine had the GPU:
+
+- **rematerialize**: no host copy of the bf16 params. Each inner optimizer's
+  ``_copy_main_params_to_model_params()`` writes this rank's fp32 master
+  shard into its slice of the param buffer, then every chunk's
+  ``start_param_sync(force_sync=True)`` all-gathers the rest. Only the
+  *extras* keep a host copy: fp32 params (their master *is* the param buffer,
+  which is paused without backup), module buffers (``expert_bias``), and any
+  ``extra_params`` the config names.
+- **backup**: a full host copy (pinned on CUDA) of every tensor, per tag.
+
+The non-actor tags (``ref``, ``teacher``, ``old_actor``, ``rollout_actor``)
+always keep full host copies.
+
+Whether rematerialize is safe is decided from the model's *structure* when
+the driver is built: a param outside every DDP param buffer (a frozen
+``nn.Parameter`` is the known case) and not among the extras cannot be
+rebuilt, so construction raises ``IneligibleModelError`` naming it.
+
+The collective plan (``collectives``) and the tensor set (``tensor_set``)
+read only rank-uniform facts: bucket layout, names, shapes, dtypes. Neither
+reads what is paused on this rank.
+
+Memory goes through a ``MemorySaver`` (``drivers/cpu_memory.py`` on CPU,
+torch_memory_saver on CUDA). ``ddp_buffers_in_tags`` places each DDP buffer's
+``param_data`` under ``param_buffer`` and ``grad_data`` under
+``grad_buffer`` while the chunks are built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from miles_fsm.drivers.megatron_config import MegatronDriverConfig, megatron_facts
+from miles_fsm.drivers.protocols import StepReport
+from miles_fsm.errors import (
+    BufferRoutingError,
+    ConfigError,
+    HostCopyMissingError,
+    IneligibleModelError,
+    MemoryReleasedError,
+)
+from miles_fsm.plan import Collective, TensorSet
+from miles_fsm.states import Step, StepKind, Strategy
+
+__all__ = ["ACTOR", "NON_ACTOR_TAGS", "MegatronTrainer", "PauseResume", "ddp_buffers_in_tags"]
+
+ACTOR = "actor"
+NON_ACTOR_TAGS = ("ref", "teacher", "old_actor", "rollout_actor")
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class PauseResume(Protocol):
+    """The part of a memory saver the driver calls during the lifecycle."""
+
+    def pause(self, tag: str) -> None: ...
+
+    def resume(self, tag: str) -> None: ...
+
+
+class _Allocator(Protocol):
+    def empty(self, tag: str, numel: int, dtype: torch.dtype, *, backup: bool = False) -> torch.Tensor: ...
+
+
+# --------------------------------------------------------------------------- routing
+
+
+class _BufferRouter(TorchFunctionMode):
+    """Inside one ``_ParamAndGradBuffer.__init__``: the buffer allocations go to their tags.
+
+    megatron allocates ``param_data`` (distributed optimizer only) and then
+    ``grad_data`` with ``torch.zeros(numel, dtype=..., device=...,
+    requires_grad=False)``; those two calls, in that order, are served by the
+    saver instead. Anything else passes through.
+    """
+
+    def __init__(self, saver: _Allocator, tags: list[str]) -> None:
+        super().__init__()
+        self._saver = saver
+        self._pending = list(tags)
+        self.routed: dict[str, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.zeros and self._pending and kwargs.get("requires_grad") is False and len(args) == 1:
+            tag = self._pending.pop(0)
+            numel = int(args[0])
+            tensor = self._saver.empty(tag, numel, kwargs.get("dtype") or torch.get_default_dtype(), backup=False)
+            self.routed[tag] = tensor
+            return tensor
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def ddp_buffers_in_tags(saver: _Allocator) -> Iterator[None]:
+    """Build DDP chunks inside this: their param and grad buffers are allocated by ``saver``.
+
+    Each ``_ParamAndGradBuffer`` gets ``param_data`` under ``param_buffer``
+    and ``grad_data`` under ``grad_buffer``, neither with a region backup
+    (the driver brings params back itself; grads are zeroed before use).
+    The wrapper is installed only for the duration of the block, and it
+    checks after each buffer that megatron really kept the routed tensors,
+    raising ``BufferRoutingError`` if a megatron-core version allocates
+    differently.
+    """
+    with _quiet_megatron():
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    cls = pgb._ParamAndGradBuffer
+    original = cls.__init__
+    signature = inspect.signature(original)
+
+    def routed_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        distopt = bool(bound.arguments["ddp_config"].use_distributed_optimizer)
+        tags = (["param_buffer"] if distopt else []) + ["grad_buffer"]
+        router = _BufferRouter(saver, tags)
+        with router:
+            original(self, *args, **kwargs)
+        _check_routed(self, router.routed, tags)
+
+    cls.__init__ = routed_init
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
+def _check_routed(buffer: Any, routed: Mapping[str, torch.Tensor], tags: Sequence[str]) -> None:
+    for tag, attr in (("param_buffer", "param_data"), ("grad_buffer", "grad_data")):
+        if tag not in tags:
+            continue
+        mine = routed.get(tag)
+        theirs = getattr(buffer, attr, None)
+        if mine is None or theirs is None or theirs.untyped_storage().data_ptr() != mine.untyped_storage().data_ptr():
+            raise BufferRoutingError(
+                buffer=attr, expected=tags, detail=f"its {attr} is not the tensor allocated under {tag!r}"
+            )
+
+
+@contextlib.contextmanager
+def _quiet_megatron() -> Iterator[None]:
+    # megatron warns at import that Apex/TransformerEngine are absent; that is expected here.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TransformerEngine).*")
+        yield
+
+
+# --------------------------------------------------------------------------- driver
+
+
+class MegatronTrainer:
+    """``TrainerDriver`` over megatron-core DDP chunks and a (chained) distributed optimizer.
+
+    Build it once the chunks and the optimizer exist, on every rank, with the
+    same arguments; construction runs no collective.
+    """
+
+    def __init__(
+        self,
+        *,
+        chunks: Sequence[Any],
+        optimizer: Any,
+        config: MegatronDriverConfig | None = None,
+        memory: PauseResume | None = None,
+        convert: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None,
+    ) -> None:
+        if not chunks:
+            raise ConfigError(["at least one DDP model chunk is needed"], "MegatronTrainer")
+        self._chunks = tuple(chunks)
+        self._optimizer = optimizer
+        self._inner = tuple(getattr(optimizer, "chained_optimizers", None) or (optimizer,))
+        self._config = config or MegatronDriverConfig.from_megatron(self._chunks, optimizer)
+        self._memory = memory
+        self._convert = convert
+        self._host: dict[str, dict[str, torch.Tensor]] = {}
+        self._paused: set[str] = set()
+        self._check_megatron_agrees()
+        if self.strategy is Strategy.REMATERIALIZE:
+            self._check_eligible()
+        self._extra_param_names = self._find_extra_params()
+
+    # ------------------------------------------------------------- structure
+
+    @property
+    def config(self) -> MegatronDriverConfig:
+        return self._config
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._config.effective_strategy
+
+    @property
+    def chunks(self) -> tuple[Any, ...]:
+        return self._chunks
+
+    @property
+    def inner_optimizers(self) -> tuple[Any, ...]:
+        return self._inner
+
+    def _prefix(self, i: int) -> str:
+        return f"chunk{i}." if len(self._chunks) > 1 else ""
+
+    def _named_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for i, chunk in enumerate(self._chunks):
+            for name, p in chunk.module.named_parameters():
+                yield self._prefix(i) + name, p
+
+    def _named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, chunk in enumerate(self._chunks):
+            for name, b in chunk.module.named_buffers():
+                yield self._prefix(i) + name, b
+
+    def _ddp_buffers(self, chunk: Any) -> list[Any]:
+        return list(chunk.buffers) + list(chunk.expert_parallel_buffers)
+
+    def _in_buffers(self) -> set[int]:
+        return {id(p) for chunk in self._chunks for buf in self._ddp_buffers(chunk) for p in buf.params}
+
+    def _check_megatron_agrees(self) -> None:
+        """The config must describe the objects it is given; every disagreement at once."""
+        problems = []
+        facts = megatron_facts(self._chunks, self._optimizer)
+        for key, actual in facts.items():
+            stated = getattr(self._config, key)
+            if stated != actual:
+                problems.append(f"config says {key}={stated}, but the megatron objects say {actual}")
+        if self.strategy is Strategy.REMATERIALIZE:
+            for i, chunk in enumerate(self._chunks):
+                for j, buf in enumerate(self._ddp_buffers(chunk)):
+                    if getattr(buf, "param_data", None) is None:
+                        problems.append(f"chunk {i} buffer {j} has no param_data (is the distributed optimizer on?)")
+            for k, opt in enumerate(self._inner):
+                if not hasattr(opt, "_copy_main_params_to_model_params") or not hasattr(
+                    opt, "shard_fp32_from_float16_groups"
+                ):
+                    problems.append(
+                        f"inner optimizer {k} is a {type(opt).__name__}, not a DistributedOptimizer: "
+                        "it holds no fp32 master shards to rematerialize from"
+                    )
+        known = {n for n, _ in self._named_params()}
+        unknown = sorted(set(self._config.extra_params) - known)
+        if unknown:
+            problems.append(f"extra_params names params the model does not have: {', '.join(unknown)}")
+        if problems:
+            raise ConfigError(problems, "MegatronTrainer (config vs. megatron objects)")
+
+    def _check_eligible(self) -> None:
+        """Rematerialize rebuilds only what sits in a DDP param buffer; refuse anything else."""
+        in_buffers = self._in_buffers()
+        extras = set(self._config.extra_params)
+        outside = [(n, p) for n, p in self._named_params() if id(p) not in in_buffers and n not in extras]
+        if outside:
+            frozen = [n for n, p in outside if not p.requires_grad]
+            reason = (
+                "frozen (requires_grad=False), so DDP gave them no param buffer"
+                if len(frozen) == len(outside)
+                else "not in any DDP param buffer (buffers + expert_parallel_buffers)"
+            )
+            raise IneligibleModelError([n for n, _ in outside], reason)
+
+    def _find_extra_params(self) -> tuple[str, ...]:
+        """Params rematerialize cannot rebuild: fp32 ones (their master is the param buffer itself),
+        and the ones the config names. A structural, rank-uniform fact."""
+        extras = set(self._config.extra_params)
+        return tuple(n for n, p in self._named_params() if p.dtype not in _HALF or n in extras)
+
+    # ------------------------------------------------------------ tensor views
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Every param and buffer of the actor, live (verification hashes these)."""
+        out = dict(self._named_params())
+        out.update(self._named_buffers())
+        return out
+
+    def _extras(self) -> dict[str, torch.Tensor]:
+        live = self.tensors()
+        names = list(self._extra_param_names) + [n for n, _ in self._named_buffers()]
+        return {n: live[n] for n in names}
+
+    def tensor_set(self) -> TensorSet:
+        """Names, shapes and dtypes of the params and buffers; never reads pause state."""
+        return TensorSet.of(self.tensors().items())
+
+    def collectives(self, step: Step) -> tuple[Collective, ...]:
+        """The param sync's all-gathers: one per bucket, from the bucket layout alone."""
+        if step.kind is not StepKind.PARAM_SYNC:
+            return ()
+        out = []
+        for i, chunk in enumerate(self._chunks):
+            groups = [("dp", g) for g in chunk.bucket_groups]
+            groups += [("expt_dp", g) for g in chunk.expert_parallel_bucket_groups]
+            for j, (kind, group) in enumerate(groups):
+                for bucket in group.buckets:
+                    data = bucket.param_data
+                    dtype = str(data.dtype).removeprefix("torch.")
+                    out.append(Collective("all_gather", f"chunk{i}.{kind}.bg{j}", dtype, data.numel()))
+        return tuple(out)
+
+    # ----------------------------------------------------------- host copies
+
+    def _snapshot(self, tag: str, live: Mapping[str, torch.Tensor]) -> StepReport:
+        """Copy ``live`` into ``tag``'s host copy, reusing its (pinned) buffers across cycles."""
+        store = self._host.get(tag, {})
+        fresh: dict[str, torch.Tensor] = {}
+        moved = 0
+        for name, src in live.items():
+            dst = store.get(name)
+            if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
+                pin = self._config.pin_memory and src.is_cuda
+                dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+            dst.copy_(src.detach(), non_blocking=dst.is_pinned())
+            fresh[name] = dst
+            moved += src.numel() * src.element_size()
+        _sync(live.values())
+        self._host[tag] = fresh
+        return StepReport(bytes_moved=moved, host_bytes=self.host_bytes())
+
+    def host_bytes(self, tag: str | None = None) -> int:
+        """Host bytes held by this driver's copies (of one tag, or all)."""
+        tags = [tag] if tag is not None else list(self._host)
+        return sum(t.numel() * t.element_size() for k in tags for t in self._host.get(k, {}).values())
+
+    def backup(self, tag: str) -> StepReport:
+        """Host copy of ``tag``: the extras only for the actor under rematerialize, else everything."""
+        if tag == ACTOR and self.strategy is Strategy.REMATERIALIZE:
+            return self._snapshot(tag, self._extras())
+        self._require_resident(f"back up {tag!r}", ("param_buffer",))
+        return self._snapshot(tag, self.tensors())
+
+    def restore(self, tag: str) -> StepReport:
+        """Write ``tag``'s host copy into the live tensors (all of it, or the extras)."""
+        store = self._held(tag)
+        live = self.tensors()
+        moved = 0
+        for name, host in store.items():
+            live[name].detach().copy_(host, non_blocking=host.is_pinned())
+            moved += host.numel() * host.element_size()
+        _sync(live.values())
+        return StepReport(bytes_moved=moved, host_bytes=self.host_bytes())
+
+    def copy(self, src_tag: str, dst_tag: str) -> None:
+        """Make ``dst_tag`` a full host copy of ``src_tag``.
+
+        Under rematerialize the actor's host copy holds only the extras, so the
+        bf16 params are read from the model: that needs ``param_buffer``
+        resident (TRAINING or OFFLOADED), and is refused otherwise.
+        """
+        src = self._held(src_tag)
+        if src_tag == ACTOR and self.strategy is Strategy.REMATERIALIZE:
+            self._require_resident(f"copy {src_tag!r} to {dst_tag!r}", ("param_buffer",))
+            full = dict(self.tensors())
+            full.update(src)
+            self._snapshot(dst_tag, full)
+        else:
+            self._snapshot(dst_tag, src)
+
+    def get(self, tag: str) -> Mapping[str, torch.Tensor]:
+        """The host copy held for ``tag`` (read-only mapping)."""
+        return MappingProxyType(self._held(tag))
+
+    def _held(self, tag: str) -> dict[str, torch.Tensor]:
+        if tag not in self._host:
+            raise HostCopyMissingError(tag=tag, held=list(self._host))
+        return self._host[tag]
+
+    def _require_resident(self, op: str, tags: Sequence[str]) -> None:
+        paused = sorted(set(tags) & self._paused)
+        if paused:
+            raise MemoryReleasedError(owner="megatron trainer", op=op, tags=paused)
+
+    # ------------------------------------------------------------ rematerialize
+
+    def cast_main_to_params(self) -> StepReport:
+        """Each inner distributed optimizer writes its fp32 master shard into the param buffer."""
+        moved = 0
+        for opt in self._inner:
+            opt._copy_main_params_to_model_params()
+            for group in opt.shard_fp32_from_float16_groups:
+                moved += sum(p.numel() * 2 for p in group)
+        return StepReport(bytes_moved=moved)
+
+    def param_sync(self) -> StepReport:
+        """A blocking all-gather of every bucket of every chunk."""
+        moved = 0
+        for chunk in self._chunks:
+            chunk.start_param_sync(force_sync=True)
+            moved += sum(b.param_data.numel() * b.param_data.element_size() for b in self._ddp_buffers(chunk))
+        return StepReport(bytes_moved=moved)
+
+    # ------------------------------------------------------------ memory
+
+    def pause_memory(self, tag: str) -> None:
+        if self._memory is not None:
+            self._memory.pause(tag)
+        self._paused.add(tag)
+
+    def resume_memory(self, tag: str) -> None:
+        if self._memory is not None:
+            self._memory.resume(tag)
+        self._paused.discard(tag)
+
+    def memory_in_use(self) -> int | None:
+        """Device bytes in use (CUDA: the whole device), or the saver's resident bytes on CPU."""
+        if torch.cuda.is_available() and any(p.is_cuda for _, p in self._named_params()):
+            free, total = torch.cuda.mem_get_info()
+            return total - free
+        resident = getattr(self._memory, "resident_bytes", None)
+        return int(resident()) if callable(resident) else None
+
+    # ------------------------------------------------------------ engine push
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The params (whole, after the sync) and buffers, through ``convert`` if given."""
+        self._require_resident("push weights", ("param_buffer",))
+        for name, t in self.tensors().items():
+            if self._convert is None:
+                yield name, t
+            else:
+                yield from self._convert(name, t)
+
+
+def _sync(tensors: Iterable[torch.Tensor]) -> None:
+    if torch.cuda.is_available() and any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()

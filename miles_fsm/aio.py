@@ -1,0 +1,588 @@
+"""Async API for rollout loops: drive and await one rank's lifecycle from anyio.
+
+Works on asyncio and trio. Each transition runs the blocking
+``Lifecycle.fire`` in a worker thread, so the event loop keeps serving
+generation requests while weights move.
+
+Cancellation follows one rule: a transition may be abandoned only before its
+point of no return, the ``before_guard`` hook that ``Lifecycle.fire`` calls
+after planning and before the guard (or, without a guard, before the first
+step).
+
+- Cancelled before it: the hook raises, the lifecycle records
+  ``transition_cancelled`` and leaves the state unchanged. This rank enters no
+  collective; the other ranks get their guard's timeout or divergence error.
+- Cancelled after it: the transition runs to its end (the task waits for it,
+  shielded), and only then is the cancellation delivered. Leaving a collective
+  halfway is exactly how the other ranks hang.
+
+Timeouts (``anyio.fail_after``/``move_on_after``, ``asyncio.timeout``) are
+cancellations and follow the same rule. Unlike ``transitions``' AsyncMachine,
+a new trigger never cancels the running transition: it queues behind it on
+this rank's lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from miles_fsm.errors import RankFailedError, TransitionCancelled, TransitionNotAllowed, describe
+from miles_fsm.lifecycle import Failure, InFlight, Lifecycle, Snapshot, TransitionResult
+from miles_fsm.states import DEFINITION, State, Trigger
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+__all__ = ["AsyncLifecycle", "AsyncSnapshot", "RolloutWindow", "StateChange", "StateChanges"]
+
+#: Worker threads this API may hold at once per rank: the transition, plus
+#: short-lived waiters for a transition whose awaiting task was cancelled.
+#: Private so that a busy default thread pool never delays a rank's guard.
+_THREADS = 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateChange:
+    """One move of a rank's state, as published to watchers.
+
+    ``trigger`` is None for ``recover``. ``error`` is set when ``dest`` is
+    FAILED; ``result`` when a transition finished.
+    """
+
+    source: State
+    dest: State
+    trigger: Trigger | None
+    epoch: int
+    result: TransitionResult | None = None
+    error: BaseException | None = None
+    at_mono: float
+
+    @property
+    def failed(self) -> bool:
+        return self.dest is State.FAILED
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutWindow:
+    """What ``AsyncLifecycle.rollout()`` yields: the cycle and how the engine got the GPU."""
+
+    epoch: int
+    entered: tuple[TransitionResult, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AsyncSnapshot:
+    """One rank seen from the async side: the lifecycle's snapshot, plus who waits on its lock.
+
+    ``running`` is what holds the lock now (a trigger, ``advance_to(STATE)``
+    or ``recover(STATE)``) and ``running_since_mono`` when it took it;
+    ``queued`` are the callers waiting behind it, oldest first.
+    """
+
+    lifecycle: Snapshot
+    running: str | None
+    running_since_mono: float | None
+    queued: tuple[str, ...]
+    watchers: int
+
+    @property
+    def state(self) -> State:
+        return self.lifecycle.state
+
+    @property
+    def epoch(self) -> int:
+        return self.lifecycle.epoch
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        return self.lifecycle.in_flight
+
+    @property
+    def trainer_paused(self) -> frozenset[str]:
+        return self.lifecycle.trainer_paused
+
+    @property
+    def engine_released(self) -> frozenset[str]:
+        return self.lifecycle.engine_released
+
+    @property
+    def failure(self) -> Failure | None:
+        return self.lifecycle.failure
+
+    def __str__(self) -> str:
+        s = self.lifecycle
+        now = time.monotonic()
+        parts = [f"rank {s.rank}/{s.world} {s.state.value} epoch {s.epoch}"]
+        if s.in_flight is not None:
+            f = s.in_flight
+            where = f"step {f.step}" if f.step else f.phase
+            parts.append(f"in {f.trigger.value} ({where} for {now - f.since_mono:.3f} s)")
+        if self.running is not None and self.running_since_mono is not None:
+            parts.append(f"lock held by {self.running} for {now - self.running_since_mono:.3f} s")
+        if self.queued:
+            parts.append("queued: " + ", ".join(self.queued))
+        parts.append(f"trainer paused [{', '.join(sorted(s.trainer_paused))}]")
+        parts.append(f"engine released [{', '.join(sorted(s.engine_released))}]")
+        if s.failure is not None:
+            parts.append(f"failed in {s.failure.trigger.value}: {type(s.failure.error).__name__}")
+        return "; ".join(parts)
+
+
+class StateChanges:
+    """An async iterator over a rank's state changes, from the moment it was created.
+
+    Use it as ``with alc.changes() as changes: async for change in changes:``
+    so that it unsubscribes when the block ends. Each iterator sees every
+    change published after its creation, in order; none is dropped.
+    """
+
+    def __init__(self, owner: AsyncLifecycle) -> None:
+        self._owner = owner
+        self._queue: deque[StateChange] = deque()
+        self._wakeup: anyio.Event | None = None
+        self._closed = False
+        owner._subscribers.add(self)
+
+    def _push(self, change: StateChange) -> None:
+        self._queue.append(change)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def close(self) -> None:
+        """Stop receiving changes; a pending ``__anext__`` ends the iteration."""
+        self._closed = True
+        self._owner._subscribers.discard(self)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def __enter__(self) -> StateChanges:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __aiter__(self) -> StateChanges:
+        return self
+
+    async def __anext__(self) -> StateChange:
+        await anyio.lowlevel.checkpoint()
+        while not self._queue:
+            if self._closed:
+                raise StopAsyncIteration
+            wakeup = self._wakeup = anyio.Event()
+            await wakeup.wait()
+        return self._queue.popleft()
+
+
+class _Phase(enum.Enum):
+    IDLE = "idle"  # the worker thread has not started
+    RUNNING = "running"  # planning; still abandonable
+    COMMITTED = "committed"  # past the point of no return
+    CANCELLED = "cancelled"  # abandoned before the point of no return
+    DONE = "done"
+
+
+class _CancelledBeforeGuard(Exception):
+    """Raised by the before_guard hook; the lifecycle turns it into ``TransitionCancelled``."""
+
+    def __init__(self) -> None:
+        super().__init__("the task awaiting this transition was cancelled before its guard")
+
+
+class _Gate:
+    """One call's point of no return, decided under a lock shared by the thread and the loop.
+
+    Whoever takes the lock first wins: the hook (commit) or the cancelling
+    task (cancel). So a cancel either abandons the transition before any
+    collective, or finds it committed and waits for its end; never in between.
+    """
+
+    def __init__(self, *, commit_at_start: bool) -> None:
+        self._lock = threading.Lock()
+        self._phase = _Phase.IDLE
+        self._commit_at_start = commit_at_start
+        self.done = threading.Event()
+        self.ran = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self._phase is _Phase.CANCELLED:
+                return False
+            self._phase = _Phase.COMMITTED if self._commit_at_start else _Phase.RUNNING
+            self.ran = True
+            return True
+
+    def commit(self) -> None:
+        """The ``before_guard`` hook."""
+        with self._lock:
+            if self._phase is _Phase.CANCELLED:
+                raise _CancelledBeforeGuard
+            self._phase = _Phase.COMMITTED
+
+    def finish(self) -> None:
+        with self._lock:
+            self._phase = _Phase.DONE
+        self.done.set()
+
+    def cancel(self) -> _Phase:
+        """Abandon the call if it is not committed; return the phase it was in."""
+        with self._lock:
+            prior = self._phase
+            if prior in (_Phase.IDLE, _Phase.RUNNING):
+                self._phase = _Phase.CANCELLED
+            return prior
+
+    @property
+    def abandoned(self) -> bool:
+        """True when the hook refused: the transition ended as ``TransitionCancelled``, by us."""
+        return isinstance(self.error, TransitionCancelled) and isinstance(self.error.__cause__, _CancelledBeforeGuard)
+
+
+@dataclass(slots=True)
+class _Ticket:
+    label: str
+    since_mono: float
+
+
+class AsyncLifecycle:
+    """The async face of one rank's ``Lifecycle``. Build one per rank, and use it from one event loop.
+
+    Every trigger fired through it is serialized by a per-rank lock (FIFO) and
+    published to ``changes()`` iterators and ``wait_for`` waiters. Transitions
+    fired on the wrapped ``Lifecycle`` directly are still serialized (it has a
+    thread lock of its own) but are not published.
+    """
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self._lc = lifecycle
+        self._subscribers: weakref.WeakSet[StateChanges] = weakref.WeakSet()
+        self._queued: list[_Ticket] = []
+        self._running: _Ticket | None = None
+        # Created on first use, inside the event loop they belong to.
+        self._lock: anyio.Lock | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        return self._lc
+
+    @property
+    def state(self) -> State:
+        return self._lc.state
+
+    @property
+    def epoch(self) -> int:
+        return self._lc.epoch
+
+    @property
+    def rank(self) -> int:
+        return self._lc.rank
+
+    def snapshot(self) -> AsyncSnapshot:
+        """State, epoch, the transition in flight and since when, paused tags, and the lock's queue."""
+        running = self._running
+        return AsyncSnapshot(
+            lifecycle=self._lc.snapshot(),
+            running=running.label if running else None,
+            running_since_mono=running.since_mono if running else None,
+            queued=tuple(t.label for t in self._queued),
+            watchers=len(self._subscribers),
+        )
+
+    # --------------------------------------------------------------- triggers
+
+    async def fire(self, trigger: Trigger | str) -> TransitionResult:
+        """Run one transition in a worker thread, after any queued before it."""
+        trigger = Trigger(trigger)
+        async with self._turn(trigger.value):
+            return await self._fire_locked(trigger)
+
+    async def start(self) -> TransitionResult:
+        return await self.fire(Trigger.START)
+
+    async def offload(self) -> TransitionResult:
+        return await self.fire(Trigger.OFFLOAD)
+
+    async def pause(self) -> TransitionResult:
+        return await self.fire(Trigger.PAUSE)
+
+    async def rematerialize(self) -> TransitionResult:
+        return await self.fire(Trigger.REMATERIALIZE)
+
+    async def sync(self) -> TransitionResult:
+        return await self.fire(Trigger.SYNC)
+
+    async def resume(self) -> TransitionResult:
+        return await self.fire(Trigger.RESUME)
+
+    async def advance_to(self, state: State | str) -> tuple[TransitionResult, ...]:
+        """Fire the triggers along the cycle until the rank is in ``state``; hold the lock throughout.
+
+        Each transition follows the cancellation rule on its own: a
+        cancellation stops the walk after the transition it arrived in.
+        """
+        target = State(state)
+        async with self._turn(f"advance_to({target.value})"):
+            results: list[TransitionResult] = []
+            while self._lc.state is not target:
+                path = _path(self._lc.state, target)
+                if not path:
+                    failure = self._lc.failure
+                    raise TransitionNotAllowed(
+                        self._lc.state.value,
+                        f"advance_to({target.value})",
+                        [t.value for t in self._lc.allowed()],
+                        failure.error if failure else None,
+                    )
+                results.append(await self._fire_locked(path[0]))
+            return tuple(results)
+
+    async def recover(self, to: State | str) -> None:
+        """``Lifecycle.recover`` in a worker thread. Once started it is never abandoned."""
+        target = State(to)
+        async with self._turn(f"recover({target.value})"):
+            source = self._lc.state
+            gate = _Gate(commit_at_start=True)
+            cancel = await self._call(lambda: self._lc.recover(target), gate)
+            if gate.ran and gate.error is None:
+                self._publish(StateChange(source=source, dest=target, trigger=None, epoch=self._lc.epoch,
+                                          at_mono=time.monotonic()))
+            _deliver(gate, cancel)
+
+    # ------------------------------------------------------------------ waits
+
+    def changes(self) -> StateChanges:
+        """An async iterator of the changes published from now on (see ``StateChanges``)."""
+        return StateChanges(self)
+
+    async def wait_for(self, state: State | str) -> None:
+        """Return once the rank is in ``state``, or has reached it since this call began.
+
+        Raises ``RankFailedError`` if the rank is or goes FAILED first (unless
+        ``state`` is FAILED): a waiter is never left hanging on a dead rank.
+        Another task may move the rank on before the waiter runs again.
+        """
+        target = State(state)
+        with self.changes() as changes:
+            current = self._lc.state
+            if current is target:
+                await anyio.lowlevel.checkpoint()
+                return
+            if current is State.FAILED:
+                await anyio.lowlevel.checkpoint()
+                raise self._failed_error(target)
+            async for change in changes:
+                if change.dest is target:
+                    return
+                if change.failed:
+                    raise self._failed_error(target)
+
+    @asynccontextmanager
+    async def rollout(self) -> AsyncIterator[RolloutWindow]:
+        """Give the GPU to the engine for the body, and take it back afterwards.
+
+        Entering: offload, then pause (the push of weights happens there), from
+        TRAINING or OFFLOADED. Leaving: rematerialize, sync, resume, back to
+        TRAINING, also when the body raises or is cancelled. Leaving is
+        shielded: every rank leaves its window, and a rank that abandoned
+        its way back would make all the others fail their guard. Its wait is
+        still bounded, by the guard timeout.
+        """
+        if self._lc.state not in (State.TRAINING, State.OFFLOADED):
+            await anyio.lowlevel.checkpoint()
+            failure = self._lc.failure
+            raise TransitionNotAllowed(
+                self._lc.state.value,
+                "rollout",
+                [t.value for t in self._lc.allowed()],
+                failure.error if failure else None,
+            )
+        entered = await self.advance_to(State.PAUSED)
+        window = RolloutWindow(epoch=self._lc.epoch, entered=entered)
+        try:
+            yield window
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                if self._lc.state is not State.FAILED:
+                    await self.advance_to(State.TRAINING)
+            raise
+        with anyio.CancelScope(shield=True):
+            await self.advance_to(State.TRAINING)
+
+    # -------------------------------------------------------------- internals
+
+    def _primitives(self) -> tuple[anyio.Lock, anyio.CapacityLimiter]:
+        if self._lock is None or self._limiter is None:
+            self._lock = anyio.Lock()
+            self._limiter = anyio.CapacityLimiter(_THREADS)
+        return self._lock, self._limiter
+
+    @asynccontextmanager
+    async def _turn(self, label: str) -> AsyncIterator[None]:
+        lock, _ = self._primitives()
+        ticket = _Ticket(label, time.monotonic())
+        self._queued.append(ticket)
+        try:
+            await lock.acquire()  # cancellable: nothing has started
+        finally:
+            self._queued.remove(ticket)
+        ticket.since_mono = time.monotonic()
+        self._running = ticket
+        try:
+            yield
+        finally:
+            self._running = None
+            lock.release()
+
+    async def _fire_locked(self, trigger: Trigger) -> TransitionResult:
+        lc = self._lc
+        source = lc.state
+        gate = _Gate(commit_at_start=False)
+        cancel = await self._call(lambda: lc.fire(trigger, before_guard=gate.commit), gate)
+        if gate.ran and not gate.abandoned:
+            if gate.error is None:
+                result: TransitionResult = gate.value
+                self._publish(StateChange(source=source, dest=result.dest, trigger=trigger, epoch=result.epoch,
+                                          result=result, at_mono=time.monotonic()))
+            elif lc.state is State.FAILED and source is not State.FAILED:
+                failure = lc.failure
+                self._publish(StateChange(source=source, dest=State.FAILED, trigger=trigger,
+                                          epoch=failure.epoch if failure else lc.epoch, error=gate.error,
+                                          at_mono=time.monotonic()))
+        _deliver(gate, cancel)
+        value: TransitionResult = gate.value
+        return value
+
+    async def _call(self, fn: Callable[[], Any], gate: _Gate) -> BaseException | None:
+        """Run ``fn`` in a worker thread under ``gate``; return the cancellation to deliver, if any.
+
+        The thread is started abandonable, so that any cancellation (an anyio
+        scope, trio, or a native ``task.cancel()``/``asyncio.timeout``, which
+        anyio's non-abandoning mode does not hold back) reaches this task at
+        once. The gate then decides: before the point of no return the
+        transition is abandoned; after it, this task waits for the thread,
+        shielded, and the caller delivers the cancellation afterwards.
+        """
+        _, limiter = self._primitives()
+        device = _cuda_device()
+
+        def work() -> None:
+            if not gate.enter():
+                return
+            try:
+                if device is not None:
+                    # The CUDA device is per thread; collectives must run on the rank's own.
+                    sys.modules["torch"].cuda.set_device(device)
+                gate.value = fn()
+            except BaseException as exc:  # handed to the awaiting task, which raises it
+                gate.error = exc
+            finally:
+                gate.finish()
+
+        try:
+            await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=limiter)
+        except anyio.get_cancelled_exc_class() as cancel:
+            prior = gate.cancel()
+            if prior is _Phase.COMMITTED:
+                in_flight = self._lc.snapshot().in_flight
+                self._lc.tracer.emit(
+                    "cancel_deferred",
+                    epoch=in_flight.epoch if in_flight else self._lc.epoch,
+                    trigger=in_flight.trigger.value if in_flight else None,
+                    state=self._lc.state.value,
+                    phase=in_flight.phase if in_flight else None,
+                    action=in_flight.step if in_flight else None,
+                )
+            if prior is not _Phase.IDLE:
+                await _wait_shielded(gate.done, limiter)
+            return cancel
+        return None
+
+    def _publish(self, change: StateChange) -> None:
+        for sub in list(self._subscribers):
+            sub._push(change)
+
+    def _failed_error(self, target: State) -> RankFailedError:
+        failure = self._lc.failure
+        if failure is None:  # FAILED without a recorded failure cannot happen; say so rather than guess
+            return RankFailedError(rank=self.rank, waiting_for=target.value, trigger="?", epoch=self.epoch,
+                                   step=None, cause="no failure recorded")
+        d = describe(failure.error)
+        return RankFailedError(
+            rank=self.rank,
+            waiting_for=target.value,
+            trigger=failure.trigger.value,
+            epoch=failure.epoch,
+            step=failure.step,
+            cause=f"{d.get('error')}: {d.get('message')}",
+        )
+
+
+def _deliver(gate: _Gate, cancel: BaseException | None) -> None:
+    """Raise what the caller must see, in order of importance.
+
+    A committed transition that failed raises its error even when the task was
+    cancelled meanwhile: a FAILED rank matters more, and the cancellation
+    stays attached as its context. Otherwise the cancellation, if any.
+    """
+    if gate.error is not None and not gate.abandoned:
+        if cancel is not None and hasattr(gate.error, "add_note"):
+            gate.error.add_note("miles-fsm: the awaiting task was cancelled while this transition ran")
+        raise gate.error
+    if cancel is not None:
+        raise cancel
+    if gate.error is not None:  # abandoned without a cancellation: cannot happen, never hide it
+        raise gate.error
+
+
+async def _wait_shielded(done: threading.Event, limiter: anyio.CapacityLimiter) -> None:
+    with anyio.CancelScope(shield=True):
+        while not done.is_set():
+            try:
+                await anyio.to_thread.run_sync(done.wait, limiter=limiter)
+            except anyio.get_cancelled_exc_class():
+                # Only a native asyncio cancel reaches through a shield. The
+                # transition is still running: keep waiting; the caller
+                # delivers the first cancellation once it is done.
+                continue
+
+
+def _cuda_device() -> int | None:
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
+
+
+def _path(source: State, dest: State) -> tuple[Trigger, ...]:
+    """The shortest trigger sequence from ``source`` to ``dest`` in the table; () if none."""
+    frontier: deque[tuple[State, tuple[Trigger, ...]]] = deque([(source, ())])
+    seen = {source}
+    while frontier:
+        state, path = frontier.popleft()
+        for t in DEFINITION.transitions:
+            if t.source is state and t.dest not in seen:
+                if t.dest is dest:
+                    return (*path, t.trigger)
+                seen.add(t.dest)
+                frontier.append((t.dest, (*path, t.trigger)))
+    return ()

@@ -1,0 +1,216 @@
+"""Chrome trace (Perfetto) export of per-rank traces.
+
+One process per rank (``pid`` = rank) with two tracks: the lifecycle state
+the rank is in, and its transitions with their guard and actions nested
+inside. Guard failures, verification failures and recoveries are instant
+events; a flow arrow links the ranks that entered the same guard, in arrival
+order, so a late or missing rank shows at a glance.
+
+Timestamps: each rank's own monotonic clock, offset by its first wall time,
+so slices within a rank are exact and ranks line up as well as their wall
+clocks agree. Slices are written as B/E pairs and always properly nested:
+a record that would break the nesting closes what it must, and whatever is
+still open when a trace ends is closed there and marked ``unfinished``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from miles_fsm.trace_reader import EpochRange, RankTrace, iter_lines
+
+__all__ = ["STATE_TID", "TRANSITION_TID", "export_perfetto"]
+
+STATE_TID = 1
+TRANSITION_TID = 2
+
+
+class _Track:
+    """B/E slices on one thread, kept properly nested and in time order."""
+
+    __slots__ = ("pid", "tid", "stack", "last_ts", "emit")
+
+    def __init__(self, pid: int, tid: int, emit: Any) -> None:
+        self.pid = pid
+        self.tid = tid
+        self.stack: list[str] = []
+        self.last_ts = float("-inf")
+        self.emit = emit
+
+    def _ts(self, ts: float) -> float:
+        self.last_ts = max(self.last_ts, ts)
+        return self.last_ts
+
+    def begin(self, name: str, ts: float, cat: str, args: dict[str, Any] | None = None) -> None:
+        ev = {"name": name, "cat": cat, "ph": "B", "ts": self._ts(ts), "pid": self.pid, "tid": self.tid}
+        if args:
+            ev["args"] = args
+        self.stack.append(name)
+        self.emit(ev)
+
+    def end(self, name: str, ts: float, args: dict[str, Any] | None = None) -> bool:
+        """Close ``name`` and anything opened inside it; False if it is not open."""
+        if name not in self.stack:
+            return False
+        while self.stack:
+            top = self.stack.pop()
+            ev = {"name": top, "ph": "E", "ts": self._ts(ts), "pid": self.pid, "tid": self.tid}
+            if top == name:
+                if args:
+                    ev["args"] = args
+                self.emit(ev)
+                return True
+            ev["args"] = {"unfinished": True}
+            self.emit(ev)
+        return True  # pragma: no cover - name was in the stack
+
+    def close_all(self, ts: float) -> None:
+        while self.stack:
+            self.end(self.stack[-1], ts, {"unfinished": True})
+
+    def instant(self, name: str, ts: float, cat: str, args: dict[str, Any]) -> None:
+        self.emit({"name": name, "cat": cat, "ph": "i", "s": "t", "ts": self._ts(ts), "pid": self.pid,
+                   "tid": self.tid, "args": args})
+
+
+def export_perfetto(
+    traces: Sequence[RankTrace],
+    out: str | os.PathLike[str],
+    *,
+    epochs: EpochRange | None = None,
+) -> int:
+    """Write a Chrome/Perfetto JSON trace of the given ranks; returns the number of events."""
+    walls = [t.first_wall for t in traces if t.first_wall is not None]
+    base = min(walls) if walls else 0.0
+    guards: dict[tuple[Any, ...], list[tuple[float, int]]] = defaultdict(list)
+    count = 0
+    with open(out, "wb") as f:
+        f.write(b'{"displayTimeUnit":"ms","traceEvents":[\n')
+        first = True
+
+        def emit(ev: dict[str, Any]) -> None:
+            nonlocal first, count
+            if not first:
+                f.write(b",\n")
+            f.write(orjson.dumps(ev))
+            first = False
+            count += 1
+
+        for t in traces:
+            _export_rank(t, base, epochs, emit, guards)
+        flow_id = 0
+        for (epoch, trigger, _k), points in guards.items():
+            if len(points) < 2:
+                continue
+            flow_id += 1
+            points.sort()
+            for i, (ts, rank) in enumerate(points):
+                ph = "s" if i == 0 else ("f" if i == len(points) - 1 else "t")
+                ev = {"name": f"guard {trigger} e{epoch}", "cat": "guard", "ph": ph, "id": flow_id, "ts": ts,
+                      "pid": rank, "tid": TRANSITION_TID}
+                if ph != "s":
+                    ev["bp"] = "e"
+                emit(ev)
+        f.write(b"\n],")
+        f.write(b'"otherData":' + orjson.dumps({"generator": "miles-fsm replay", "ranks": [t.rank for t in traces]}))
+        f.write(b"}\n")
+    return count
+
+
+def _export_rank(
+    t: RankTrace,
+    base: float,
+    epochs: EpochRange | None,
+    emit: Any,
+    guards: dict[tuple[Any, ...], list[tuple[float, int]]],
+) -> None:
+    pid = t.rank
+    host = t.meta.get("host")
+    emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {t.rank}" + (f" ({host})" if host else "")}})
+    emit({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": t.rank}})
+    emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": STATE_TID, "args": {"name": "state"}})
+    emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": TRANSITION_TID, "args": {"name": "transitions"}})
+    states = _Track(pid, STATE_TID, emit)
+    tx = _Track(pid, TRANSITION_TID, emit)
+    wall0 = t.first_wall if t.first_wall is not None else base
+    mono0 = t.first_mono_ns
+    offset_us = (wall0 - base) * 1e6
+    seen: dict[tuple[Any, Any], int] = defaultdict(int)
+    last_ts = 0.0
+    loads = orjson.loads
+    for _line_no, line, _complete in iter_lines(Path(t.path)):
+        try:
+            rec = loads(line)
+        except orjson.JSONDecodeError:
+            continue  # the analysis reports bad lines with file:line
+        if not isinstance(rec, dict):
+            continue
+        epoch = rec.get("epoch")
+        if epochs is not None and epoch not in epochs:
+            continue
+        mono = rec.get("mono_ns")
+        if isinstance(mono, int) and mono0 is not None:
+            ts = offset_us + (mono - mono0) / 1e3
+        elif isinstance(rec.get("wall"), (int, float)):
+            ts = (rec["wall"] - base) * 1e6
+        else:
+            ts = last_ts
+        last_ts = max(last_ts, ts)
+        event = rec.get("event")
+        trigger = rec.get("trigger")
+        state = rec.get("state")
+        if event == "transition_started":
+            if not states.stack and state:
+                states.begin(state, ts, "state", {"epoch": epoch})
+            tx.close_all(ts)  # a transition never closed: lost records
+            tx.begin(str(trigger), ts, "transition",
+                     {"epoch": epoch, "source": state, "dest": rec.get("dest"), "steps": rec.get("steps")})
+        elif event == "guard_entered":
+            tx.begin("guard", ts, "guard",
+                     {"key": rec.get("key"), "collectives": rec.get("collectives"), "tensors": rec.get("tensors")})
+            k = (epoch, trigger)
+            seen[k] += 1
+            guards[(epoch, trigger, seen[k])].append((tx.last_ts, pid))
+        elif event == "guard_passed":
+            tx.end("guard", ts, {"duration_s": rec.get("duration_s")})
+        elif event == "guard_failed":
+            tx.instant(f"guard failed: {rec.get('error')}", ts, "failure",
+                       {k: rec.get(k) for k in ("error", "message", "missing", "culprits", "field", "groups")})
+            tx.end("guard", ts, {"failed": rec.get("error")})
+        elif event == "action_started":
+            tx.begin(str(rec.get("action")), ts, "action", {"mem_before": rec.get("mem_before")})
+        elif event == "action_finished":
+            tx.end(str(rec.get("action")), ts,
+                   {k: rec.get(k) for k in ("duration_s", "bytes_moved", "host_bytes", "mem_after")})
+        elif event == "transition_finished":
+            tx.end(str(trigger), ts, {"duration_s": rec.get("duration_s")})
+            states.close_all(ts)
+            states.begin(str(state), ts, "state", {"epoch": epoch})
+        elif event in ("transition_failed", "transition_cancelled"):
+            tx.instant(event, ts, "failure",
+                       {k: rec.get(k) for k in ("error", "message", "action", "phase") if k in rec})
+            tx.end(str(trigger), ts, {event: rec.get("error")})
+            if event == "transition_failed":
+                states.close_all(ts)
+                states.begin("FAILED", ts, "state", {"epoch": epoch, "error": rec.get("error")})
+        elif event == "verify_failed":
+            tx.instant("verify failed", ts, "failure", {"tensors": rec.get("tensors"), "where": rec.get("where")})
+        elif event == "verified":
+            tx.instant("verified", ts, "verify", {"tensors": rec.get("tensors")})
+        elif event == "recovered":
+            states.close_all(ts)
+            states.begin(str(state), ts, "state", {"epoch": epoch, "recovered": True})
+        elif event != "trace_opened":
+            tx.instant(str(event), ts, "other", {k: v for k, v in rec.items() if k not in _COMMON})
+    tx.close_all(last_ts)
+    states.close_all(last_ts)
+
+
+_COMMON = frozenset(("v", "rank", "world", "seq", "mono_ns", "wall", "event"))
+

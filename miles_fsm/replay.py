@@ -1,0 +1,310 @@
+"""``miles-fsm replay DIR``: why a job hung, diverged or corrupted, from its per-rank traces.
+
+Reads ``DIR/rank-<r>.jsonl`` (``miles_fsm.trace_reader``), diagnoses across
+ranks (``miles_fsm.diagnosis``) and prints a one-line verdict, then the
+details; ``--json`` prints the contract object instead, and ``--perfetto``
+writes a timeline (``miles_fsm.perfetto``).
+
+Exit codes: 0 healthy, 3 a problem diagnosed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
+
+import orjson
+
+from miles_fsm.diagnosis import Diagnosis, diagnose, rank_ranges
+from miles_fsm.trace_reader import EpochRange, TraceDirError, find_traces, read_ranks
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_OK", "EXIT_PROBLEM", "add_parser", "render", "replay"]
+
+EXIT_OK = 0
+EXIT_PROBLEM = 3
+EXIT_BAD_INPUT = 2
+
+_LIST_LIMIT = 20
+
+
+def replay(
+    trace_dir: str,
+    *,
+    ranks: Iterable[int] | None = None,
+    epochs: EpochRange | None = None,
+    workers: int | None = None,
+    straggler_ratio: float = 1.5,
+    perfetto: str | None = None,
+) -> Diagnosis:
+    """Read and diagnose a trace directory; raises ``TraceDirError`` on bad input."""
+    files = find_traces(trace_dir)
+    wanted = None if ranks is None else sorted(set(ranks))
+    if wanted is not None:
+        files = {r: p for r, p in files.items() if r in wanted}
+        if not files:
+            raise TraceDirError(trace_dir, f"holds no trace for rank(s) {rank_ranges(wanted)}")
+    traces = read_ranks(files, epochs=epochs, workers=workers)
+    if not any(t.records for t in traces):
+        raise TraceDirError(trace_dir, "its trace files hold no readable record")
+    diagnosis = diagnose(traces, expected=wanted, straggler_ratio=straggler_ratio)
+    if perfetto is not None:
+        from miles_fsm.perfetto import export_perfetto
+
+        export_perfetto(traces, perfetto, epochs=epochs)
+    return diagnosis
+
+
+# ----------------------------------------------------------------------- CLI
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="diagnose a hang, divergence or corruption from per-rank traces",
+        description="Read DIR/rank-<r>.jsonl, re-drive the lifecycle per rank, and say where ranks diverged, "
+        "who is stuck or crashed and in what, what failed verification, and who straggles. "
+        "Exit 0: healthy; 3: a problem was diagnosed; 2: bad input.",
+    )
+    p.add_argument("dir", help="the trace directory (the --trace-dir of the run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--perfetto", metavar="OUT.json", help="also write a Chrome/Perfetto timeline to OUT.json")
+    p.add_argument(
+        "--rank",
+        action="append",
+        type=_parse_ranks,
+        metavar="R",
+        help="only these ranks: 3, 0,2 or 4-7 (repeatable)",
+    )
+    p.add_argument("--epoch", type=_parse_epochs, metavar="E", help="only these epochs: 2, 2:5 or 3:")
+    p.add_argument("--workers", type=int, default=None, help="processes to read with (default: by trace size)")
+    p.add_argument(
+        "--straggler-ratio", type=float, default=1.5, help="flag a rank this many times the median (default 1.5)"
+    )
+    p.set_defaults(run=_run)
+
+
+def _parse_ranks(text: str) -> list[int]:
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rank wants R, R,S or A-B, got {text!r}") from None
+    return out
+
+
+def _parse_epochs(text: str) -> EpochRange:
+    try:
+        return EpochRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    ranks = None if args.rank is None else [r for group in args.rank for r in group]
+    try:
+        diagnosis = replay(
+            args.dir,
+            ranks=ranks,
+            epochs=args.epoch,
+            workers=args.workers,
+            straggler_ratio=args.straggler_ratio,
+            perfetto=args.perfetto,
+        )
+    except TraceDirError as exc:
+        sys.stderr.write(f"miles-fsm replay: {exc}\n")
+        return EXIT_BAD_INPUT
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(diagnosis.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
+        sys.stdout.flush()
+    else:
+        render(diagnosis, sys.stdout)
+    if args.perfetto:
+        sys.stderr.write(f"wrote the Perfetto timeline to {args.perfetto} (open it at https://ui.perfetto.dev)\n")
+    return diagnosis.exit_code
+
+
+# -------------------------------------------------------------------- report
+
+_STYLE = {
+    "ok": "bold green",
+    "divergence": "bold red",
+    "stuck": "bold red",
+    "crashed": "bold red",
+    "corrupt": "bold red",
+    "incomplete": "bold yellow",
+}
+
+
+def render(d: Diagnosis, out: TextIO, *, rich: bool | None = None) -> None:
+    """The human report: a one-line verdict, then details. Rich on a terminal, plain otherwise."""
+    lines = report_lines(d)
+    use_rich = out.isatty() if rich is None else rich
+    if not use_rich:
+        out.write("\n".join(text for _, text in lines) + "\n")
+        return
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(file=out, highlight=False, soft_wrap=True)
+    for style, text in lines:
+        console.print(Text(text, style=style or ""))
+
+
+def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
+    """(style, text) lines of the report; the first is the verdict."""
+    L: list[tuple[str | None, str]] = [(_STYLE[d.verdict], f"{d.verdict.upper()}: {d.headline}")]
+    add = L.append
+    if d.culprit is not None:
+        c = d.culprit
+        who = rank_ranges(c["ranks"]) or "unknown"
+        add((None, f"  culprit: rank(s) {who} | epoch {c['epoch']} | transition {c['transition']}"))
+    for n in d.notes:
+        add(("dim", f"  note: {n}"))
+
+    add(("bold", f"\nRanks (world {d.world}, {sum(1 for r in d.ranks if r['status'] != 'missing')} traces)"))
+    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for r in d.ranks:
+        groups[_rank_key(r)].append(r["rank"])
+    for key, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        add((None, f"  {_plural(ranks)}: {key[0]}"))
+
+    if d.first_divergence is not None:
+        f = d.first_divergence
+        add(("bold", "\nFirst divergence"))
+        add((None, f"  {f['transition']} (epoch {f['epoch']}, transition #{f['position']}): they differ in {f['field']}"))
+        for g in f["groups"]:
+            add((None, f"    {_plural(g['ranks'])}: {_value(g['value'])}"))
+        if f["tie"]:
+            add(("dim", "    the groups are the same size: which side is wrong is a guess"))
+        if f["not_yet_at_guard"]:
+            add(("dim", f"    {_plural(f['not_yet_at_guard'])} had not reached the guard, so their plan is unknown"))
+
+    if d.stuck:
+        add(("bold", "\nStopped ranks"))
+        for s in d.stuck[:_LIST_LIMIT]:
+            add((None, f"  {s['summary']}"))
+            add(("dim", f"    crashed or stuck: {s['how']}: {s['evidence']}"))
+        _more(L, d.stuck)
+
+    if d.verification:
+        add(("bold", "\nVerification failures"))
+        grouped: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+        for v in d.verification:
+            grouped[(v["epoch"], v["transition"], v["where"], tuple(v["tensors"]))].append(v["rank"])
+        for (epoch, trigger, where, tensors), ranks in list(grouped.items())[:_LIST_LIMIT]:
+            add((None, f"  {_plural(ranks)}, {trigger} (epoch {epoch}, {where}): {len(tensors)} tensor(s): "
+                       f"{_names(list(tensors))}"))
+
+    if d.failures:
+        shown = [f for f in d.failures if not f["verification"]]
+        if shown:
+            add(("bold", "\nFailed actions"))
+            for f in shown[:_LIST_LIMIT]:
+                add((None, f"  rank {f['rank']}: {f['action']} of {f['transition']} (epoch {f['epoch']}): "
+                           f"{f['error']}: {_first_line(f['message'])}"))
+            _more(L, shown)
+
+    if d.guard_failures:
+        add(("bold", "\nGuard failures"))
+        for g in d.guard_failures[:_LIST_LIMIT]:
+            extra = ""
+            if g["missing"]:
+                extra = f", naming rank(s) {rank_ranges(g['missing'])} as missing"
+            elif g.get("field"):
+                extra = f", on {g['field']}" + (
+                    f" (suspects: {rank_ranges(g['culprits'])})" if g.get("culprits") else ""
+                )
+            add((None, f"  {g['transition']} (epoch {g['epoch']}): {g['error']} on {_plural(g['ranks'])}{extra}"))
+        _more(L, d.guard_failures)
+
+    add(("bold", "\nIllegal transitions (re-driven through the lifecycle definition)"))
+    if not d.illegal:
+        add((None, "  none: every recorded transition is one the machine allows"))
+    for i in d.illegal[:_LIST_LIMIT]:
+        add((None, f"  rank {i['rank']} line {i['line']} (epoch {i['epoch']}, {i['trigger']}): {i['reason']}"))
+    _more(L, d.illegal)
+
+    flagged = [s for s in d.stragglers if s["straggler"]]
+    add(("bold", "\nStragglers (own work time per transition, guard wait excluded)"))
+    if not d.stragglers:
+        add((None, "  not enough finished transitions to compare"))
+    elif not flagged:
+        worst = max(d.stragglers, key=lambda s: s["ratio"] or 0.0)
+        add((None, f"  none: the slowest rank is within the threshold of the median on every transition "
+                   f"(worst: {worst['transition']}, rank {worst['slowest_rank']}, {_ratio(worst['ratio'])})"))
+    for s in flagged:
+        line = (
+            f"  {s['transition']} (x{s['instances']}): rank {s['slowest_rank']} {_secs(s['slowest_s'])} "
+            f"vs median {_secs(s['median_s'])} ({_ratio(s['ratio'])})"
+        )
+        w = s.get("worst")
+        if w:
+            line += f"; worst once: rank {w['rank']} at epoch {w['epoch']}, {_ratio(w['ratio'])}"
+        add(("yellow", line))
+
+    tp = d.trace_problems
+    problems = tp["bad_lines"] or tp["truncated"] or tp["lost_records"] or tp["warnings"] or d.missing_ranks
+    if problems:
+        add(("bold", "\nTrace problems"))
+        if d.missing_ranks:
+            add((None, f"  no trace file for {_plural(d.missing_ranks)}"))
+        for b in tp["bad_lines"][:_LIST_LIMIT]:
+            add((None, f"  {b['where']}: {b['reason']}, skipped: {b['text'][:60]!r}"))
+        _more(L, tp["bad_lines"])
+        for b in tp["truncated"]:
+            add((None, f"  {b['where']}: truncated last line (the process stopped while writing it), skipped"))
+        for rank, n in list(tp["lost_records"].items())[:_LIST_LIMIT]:
+            add((None, f"  rank {rank}: {n} record(s) missing by sequence number"))
+        for w in tp["warnings"][:_LIST_LIMIT]:
+            add((None, f"  {w}"))
+    return L
+
+
+def _rank_key(r: dict[str, Any]) -> tuple[str]:
+    status = r["status"]
+    if status == "missing":
+        return ("no trace file",)
+    text = f"{status}, {r['state']}, epoch {r['epoch']}, {r['transitions']} transitions"
+    if "inside" in r:
+        i = r["inside"]
+        text += f", inside {i['phase']} of {i['transition']}" + (f" ({i['action']})" if i["action"] else "")
+    if "error" in r:
+        e = r["error"]
+        text += f", {e['type']} in {e['action'] or 'guard'} of {e['transition']}"
+    return (text,)
+
+
+def _plural(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
+
+
+def _more(lines: list[tuple[str | None, str]], items: Sequence[Any]) -> None:
+    if len(items) > _LIST_LIMIT:
+        lines.append(("dim", f"  ... and {len(items) - _LIST_LIMIT} more (see --json)"))
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, list):
+        return ", ".join(map(str, v)) if v else "(none)"
+    return "(none)" if v is None else str(v)
+
+
+def _names(names: Sequence[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _first_line(text: str | None) -> str:
+    return text.splitlines()[0] if text else ""
+
+
+def _secs(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _ratio(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}x the median"
