@@ -255,7 +255,7 @@ class ReferenceTrainer:
         self.extras_exp_avg, self.extras_exp_avg_sq = opt[3 * s_n : 3 * s_n + n_xp], opt[3 * s_n + n_xp :]
         self.step_count = 0
 
-        self.params = {s.name: self.flat[a:b].view(s.shape) for s, (a, b) in zip(self._buffered, self._offsets.values())}
+        self.params = {s.name: self.flat[slice(*self._offsets[s.name])].view(s.shape) for s in self._buffered}
         self.extras = _views(self.extras_flat, self._extras)
         self.frozen = _views(frozen_flat, self._frozen)
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -359,9 +359,13 @@ class ReferenceTrainer:
         self.saver.resume(tag)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        # Handing out views of released storage would let a reader (a hash, a
+        # copy) touch freed memory; refuse instead.
+        self._require_resident("named_weights", ("param_buffer",))
         return list(self.weights().items())
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        self._require_resident("tensors", ("param_buffer", "default"))
         return {**self.weights(), **self.optimizer_state()}
 
     def tensor_set(self) -> TensorSet:

@@ -105,7 +105,9 @@ class ReferenceEngine:
         for name, tensor in named:
             spec = self._specs.get(name)
             if spec is None:
-                raise EngineSessionError(engine=self.name, op="update_weights_from_tensor", detail=f"unknown weight {name!r}")
+                raise EngineSessionError(
+                    engine=self.name, op="update_weights_from_tensor", detail=f"unknown weight {name!r}"
+                )
             if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                 raise EngineSessionError(
                     engine=self.name,

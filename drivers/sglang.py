@@ -141,7 +141,8 @@ class SGLangConfig:
     #: Flush the radix cache once after the session ends (the KV of old weights is stale).
     flush_cache: bool = True
     #: ``pause_generation`` mode around a push, or None to leave generation alone.
-    pause_mode: str | None = "retract"
+    #: "abort" is the one that leaves nothing pending, which a flush needs.
+    pause_mode: str | None = "abort"
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
@@ -154,10 +155,14 @@ class SGLangConfig:
             problems.append(f"tp_size must be >= 1, got {self.tp_size!r}")
         if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
             problems.append(f"pause_mode must be one of {PAUSE_MODES} or None, got {self.pause_mode!r}")
-        if self.pause_mode == "in_place" and self.flush_cache:
-            # in_place keeps requests in the running batch, and SGLang refuses
-            # /flush_cache (400) while requests run: this would fail every push.
-            problems.append("pause_mode='in_place' cannot be combined with flush_cache=True")
+        if self.pause_mode in ("in_place", "retract") and self.flush_cache:
+            # Both keep requests pending (running, or queued again), and SGLang
+            # does not flush while requests are pending: the push would fail
+            # whenever generation was busy.
+            problems.append(
+                f"pause_mode={self.pause_mode!r} keeps requests pending, so it cannot be combined with "
+                "flush_cache=True; use pause_mode='abort', or flush_cache=False"
+            )
         if problems:
             raise ConfigError(problems, "SGLangConfig")
 
@@ -409,12 +414,16 @@ class HttpTransport:
         self._post("destroy_weights_update_group", "/destroy_weights_update_group", {"group_name": group_name})
 
     def set_version(self, version: str) -> None:
-        self._post("update_weight_version", "/update_weight_version", {"new_version": version, "abort_all_requests": False})
+        self._post(
+            "update_weight_version", "/update_weight_version", {"new_version": version, "abort_all_requests": False}
+        )
 
     def version(self) -> str | None:
         info = self._get("model_info", "/model_info")
         if not isinstance(info, dict):
-            raise EngineRequestError(engine=self.name, op="model_info", status=200, message=f"not a JSON object: {info!r}")
+            raise EngineRequestError(
+                engine=self.name, op="model_info", status=200, message=f"not a JSON object: {info!r}"
+            )
         value = info.get("weight_version")
         return None if value is None else str(value)
 
@@ -491,10 +500,14 @@ class EngineTransport:
         return result
 
     def release(self, tags: Sequence[str]) -> None:
-        self._call(f"release_memory_occupation({','.join(tags)})", lambda: self._engine.release_memory_occupation(list(tags)))
+        self._call(
+            f"release_memory_occupation({','.join(tags)})", lambda: self._engine.release_memory_occupation(list(tags))
+        )
 
     def resume(self, tags: Sequence[str]) -> None:
-        self._call(f"resume_memory_occupation({','.join(tags)})", lambda: self._engine.resume_memory_occupation(list(tags)))
+        self._call(
+            f"resume_memory_occupation({','.join(tags)})", lambda: self._engine.resume_memory_occupation(list(tags))
+        )
 
     def begin_update(self) -> None:
         self._call("begin_weight_update", lambda: self._engine.begin_weight_update(selector="all"), session=True)
@@ -514,7 +527,9 @@ class EngineTransport:
         # The Engine serializes one payload per TP rank itself.
         self._call(
             "update_weights_from_tensor",
-            lambda: self._engine.update_weights_from_tensor(list(named), load_format=load_format, flush_cache=flush_cache),
+            lambda: self._engine.update_weights_from_tensor(
+                list(named), load_format=load_format, flush_cache=flush_cache
+            ),
         )
 
     def init_group(
@@ -541,7 +556,11 @@ class EngineTransport:
         self._call(
             "update_weights_from_distributed",
             lambda: self._engine.update_weights_from_distributed(
-                list(names), list(dtypes), [list(s) for s in shapes], group_name, flush_cache=flush_cache,
+                list(names),
+                list(dtypes),
+                [list(s) for s in shapes],
+                group_name,
+                flush_cache=flush_cache,
                 load_format=load_format,
             ),
         )
@@ -794,6 +813,9 @@ class SGLangEngineDriver:
                     bucket,
                     tp_size=cfg.tp_size,
                     load_format=cfg.load_format,
+                    # Never flush inside an update: a flush refused there fails
+                    # the update itself. One /flush_cache after the session
+                    # fails on its own, with its own error.
                     flush_cache=False,
                     weight_version=version if last and t.sets_version else None,
                 )
@@ -930,11 +952,10 @@ class SGLangEngineDriver:
     def weight_version(self) -> str | None:
         """The version every engine serves; engines that disagree raise ``WeightVersionError``."""
         versions = {t.name: (t.version() if t.sets_version else self._pushed.get(t.name)) for t in self._transports}
-        first_name, first = next(iter(versions.items()))
+        first = next(iter(versions.values()))
         for name, v in versions.items():
             if v != first:
                 raise WeightVersionError(engine=name, expected=str(first), actual=v)
-        del first_name
         return first
 
     def weight_digests(self) -> Mapping[str, str] | None:
@@ -952,7 +973,7 @@ class SGLangEngineDriver:
             t.flush_cache()
 
     def pause_generation(self, mode: str | None = None) -> None:
-        mode = mode or self._config.pause_mode or "retract"
+        mode = mode or self._config.pause_mode or "abort"
         if mode not in PAUSE_MODES:
             raise ConfigError([f"pause mode must be one of {PAUSE_MODES}, got {mode!r}"], "pause_generation")
         for t in self._transports:
@@ -1013,11 +1034,11 @@ def _trainer_group(cfg: DistributedConfig, name: str, port: int, world: int) -> 
     )
 
     timeout = timedelta(seconds=cfg.timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{cfg.master_address}:{port}", 0, world, timeout=timeout)
-    )
+    store, rank, world_size = next(rendezvous(f"tcp://{cfg.master_address}:{port}", 0, world, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(cfg.backend), store, group_name=name, timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(cfg.backend), store, group_name=name, timeout=timeout
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

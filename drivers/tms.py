@@ -108,7 +108,9 @@ def preload_library_path(cuda_major: int | None = None) -> Path:
     """
     spec = importlib.util.find_spec("torch_memory_saver")
     if spec is None or spec.origin is None:
-        raise MissingDependencyError(package="torch-memory-saver", extra="tms", needed_for="torch_memory_saver's preload hook")
+        raise MissingDependencyError(
+            package="torch-memory-saver", extra="tms", needed_for="torch_memory_saver's preload hook"
+        )
     if cuda_major is None:
         if not torch.version.cuda:
             raise ConfigError(["this torch build has no CUDA; the preload hook needs one"], "preload_library_path")
@@ -147,8 +149,13 @@ class TmsMemorySaver:
     ``resident_bytes`` and the resume memory check count ``empty`` only.
     """
 
-    def __init__(self, *, config: TmsConfig | None = None, device: torch.device | int | None = None,
-                 name: str = "torch_memory_saver") -> None:
+    def __init__(
+        self,
+        *,
+        config: TmsConfig | None = None,
+        device: torch.device | int | None = None,
+        name: str = "torch_memory_saver",
+    ) -> None:
         self.config = config or TmsConfig()
         self.name = name
         self._device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
@@ -183,8 +190,10 @@ class TmsMemorySaver:
             if _LEDGER.hook_mode is None:
                 if getattr(tms, "_impl", None) is not None:
                     raise ConfigError(
-                        ["torch_memory_saver was initialized outside miles-fsm; build TmsMemorySaver before any "
-                         "other use of the library, so that its hook mode and paused tags are known"],
+                        [
+                            "torch_memory_saver was initialized outside miles-fsm; build TmsMemorySaver before any "
+                            "other use of the library, so that its hook mode and paused tags are known"
+                        ],
                         "torch_memory_saver setup",
                     )
                 tms.hook_mode = self.config.hook_mode
@@ -257,9 +266,7 @@ class TmsMemorySaver:
     def resident_bytes(self, tags: Iterable[str] | None = None) -> int:
         wanted = None if tags is None else set(tags)
         return sum(
-            r.nbytes
-            for r in _LEDGER.regions
-            if r.tag not in _LEDGER.paused and (wanted is None or r.tag in wanted)
+            r.nbytes for r in _LEDGER.regions if r.tag not in _LEDGER.paused and (wanted is None or r.tag in wanted)
         )
 
     def host_bytes(self, tags: Iterable[str] | None = None) -> int:

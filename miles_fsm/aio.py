@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
@@ -213,6 +214,8 @@ class _Gate:
     """
 
     def __init__(self, *, commit_at_start: bool) -> None:
+        # Read in the event loop's thread: the worker thread has no async library set.
+        self._cancelled_exc = anyio.get_cancelled_exc_class()
         self._lock = threading.Lock()
         self._phase = _Phase.IDLE
         self._commit_at_start = commit_at_start
@@ -230,8 +233,15 @@ class _Gate:
             return True
 
     def commit(self) -> None:
-        """The ``before_guard`` hook."""
+        """The ``before_guard`` hook, run in the worker thread."""
         with self._lock:
+            if self._phase is not _Phase.CANCELLED:
+                try:
+                    # A cancel scope cancelled a moment ago, before the awaiting
+                    # task has even been woken: still in time to abandon.
+                    anyio.from_thread.check_cancelled()
+                except self._cancelled_exc:
+                    self._phase = _Phase.CANCELLED
             if self._phase is _Phase.CANCELLED:
                 raise _CancelledBeforeGuard
             self._phase = _Phase.COMMITTED
@@ -500,6 +510,9 @@ class AsyncLifecycle:
 
         try:
             await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=limiter)
+            if gate.abandoned:
+                # The hook saw the cancellation before this task was told of it.
+                await anyio.lowlevel.checkpoint_if_cancelled()
         except anyio.get_cancelled_exc_class() as cancel:
             prior = gate.cancel()
             if prior is _Phase.COMMITTED:

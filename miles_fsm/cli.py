@@ -12,26 +12,36 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 
-#: Modules of ``miles_fsm`` that each define ``add_parser(subparsers)``; the
-#: parser they add sets ``run=callable(args) -> exit code``.
-_SUBCOMMANDS = ("demo", "diagram", "replay")
+#: Subcommand -> one-line help. Each is a module of ``miles_fsm`` defining
+#: ``add_parser(subparsers)``, whose parser sets ``run=callable(args) -> exit code``.
+#: Only the module of the subcommand being run is imported: a fast ``--help``,
+#: and one subcommand's heavy (or broken) imports never take the others down.
+_SUBCOMMANDS = {
+    "demo": "run the colocated RL loop on N local CPU ranks, with optional fault injection",
+    "diagram": "print the lifecycle diagram (Markdown with Mermaid)",
+    "replay": "diagnose a run from its per-rank traces (divergence, stuck, crashed, stragglers)",
+}
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
     import importlib
 
     parser = argparse.ArgumentParser(
         prog="miles-fsm", description="A guarded, traced memory lifecycle for colocated RL trainers."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in _SUBCOMMANDS:
-        importlib.import_module(f"miles_fsm.{name}").add_parser(sub)
+    for name, help_text in _SUBCOMMANDS.items():
+        if name == chosen:
+            importlib.import_module(f"miles_fsm.{name}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    args = _build_parser(chosen if chosen in _SUBCOMMANDS else None).parse_args(argv)
     return int(args.run(args) or 0)
 
 

@@ -17,7 +17,8 @@ non-zero, quickly, naming that rank:
 - ``diverge``: the rank believes a param is frozen (outside its buffers), so
   its planned tensor set and collectives differ -> ``RankDivergenceError``;
 - ``hang``: the rank stops before its guard -> the others time out naming it;
-- ``crash``: the rank SIGKILLs itself inside ``restore`` -> the others lose it;
+- ``crash``: the rank SIGKILLs itself inside ``param_sync`` (``restore`` under
+  backup) -> the others lose it, in the all-gather or at their next guard;
 - ``corrupt``: a bit flips in the rank's master shard before its restore ->
   ``VerificationError``, traced back to the shard's owner.
 """
@@ -61,6 +62,8 @@ INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt")
 DIVERGE_PARAM = "pos.weight"
 
 _PID_KEY = "miles_fsm/demo/pid/"
+#: How long a failed rank looks for the peer to blame before giving up.
+_LOCATE_GRACE_S = 2.0
 _ROWS = ("start", "offload", "pause", "generate", "rematerialize", "sync", "resume", "train")
 
 
@@ -119,6 +122,8 @@ class DemoConfig:
                 out.append(f"--inject {inj}: rank must be in 0..{self.ranks - 1}")
             if not 1 <= inj.step <= self.steps:
                 out.append(f"--inject {inj}: step must be in 1..{self.steps}")
+            if inj.kind in ("hang", "diverge") and self.ranks < 2:
+                out.append(f"--inject {inj}: needs --ranks >= 2 (only a peer's guard can notice it)")
         if self.layers < 1 or self.dim < 1 or self.heads < 1 or self.dim % self.heads:
             out.append(f"--layers and --dim must be >= 1, --dim a multiple of {self.heads} heads")
         if self.prompt_len + self.new_tokens > self.max_seq:
@@ -324,9 +329,16 @@ def _locate(exc: BaseException, *, rank: int, world: int, guard: Any, trainer: A
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
-    failed = {r: s for r, s in guard.last_seen().items() if r != rank and s is not None and s.phase.startswith("failed")}
-    dead = [r for r in range(world) if r != rank and r not in failed and not _alive(store, r)]
-    culprits = sorted([*failed, *dead])
+    # A peer's sockets close before its process is gone from /proc: give it a moment.
+    deadline = time.monotonic() + _LOCATE_GRACE_S
+    while True:
+        seen = guard.last_seen()
+        failed = {r: s for r, s in seen.items() if r != rank and s is not None and s.phase.startswith("failed")}
+        dead = [r for r in range(world) if r != rank and r not in failed and not _alive(store, r)]
+        culprits = sorted([*failed, *dead])
+        if culprits or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     if not culprits:
         return None
     evidence = [str(s) for s in failed.values()] + [f"rank {r}: process gone without reporting" for r in dead]
@@ -385,8 +397,14 @@ def demo_trainer_cls() -> type:
                 self.flip_master_bit()
             return super().cast_main_to_params()
 
-        def restore(self, tag: str) -> Any:
+        def param_sync(self) -> Any:
+            # After the guard passed: the peers are inside the all-gather with us when we die.
             if self.armed == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().param_sync()
+
+        def restore(self, tag: str) -> Any:
+            if self.armed == "crash" and self.strategy is Strategy.BACKUP:  # no param sync under backup
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.armed == "corrupt" and self.strategy is Strategy.BACKUP:
                 self.flip_master_bit()

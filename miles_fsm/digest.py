@@ -15,12 +15,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from miles_fsm.errors import MemoryReleasedError
+
 __all__ = ["digest_tensors", "tensor_sha256"]
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
-    """SHA256 of a tensor's bytes, in its own dtype and row-major order."""
+    """SHA256 of a tensor's bytes, in its own dtype and row-major order.
+
+    Raises ``MemoryReleasedError`` for a CPU tensor whose storage was released
+    (a paused region): hashing it through a raw pointer would read freed memory.
+    """
     t = t.detach()
+    if t.device.type == "cpu" and t.numel():
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        needed = (t.storage_offset() + extent) * t.element_size()
+        if t.untyped_storage().nbytes() < needed:
+            raise MemoryReleasedError(owner="verification", op="hash a tensor", tags=(), reason="its storage is released")
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()

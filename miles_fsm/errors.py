@@ -387,8 +387,8 @@ class EngineUpdateError(EngineRequestError):
         closed_part = f" Sessions closed after the failure: [{', '.join(self.closed)}]." if self.closed else ""
         MilesFsmError.__init__(
             self,
-            f"engine {engine}: weight update failed in {op} ({code}): {message}.{closed_part}{sessions} "
-            "The engines do not serve the pushed weights: push again before generating.",
+            f"engine {engine}: weight update failed in {op} ({code}): {message.rstrip('.')}.{closed_part}{sessions} "
+            "Treat the engines' weights as unknown: push again before generating.",
         )
 
 

@@ -14,7 +14,7 @@ tested without SGLang (which cannot be installed here):
   started with weights CPU backup;
 - updates fail outside a begin/end session; a second begin, or an end with no
   session, answers ``success=False``;
-- ``/flush_cache`` answers 400 while requests run;
+- ``/flush_cache`` answers 400 while requests run or wait in the queue;
 - ``weight_version`` is read with ``/model_info`` and set with a push or
   ``/update_weight_version``.
 
@@ -169,8 +169,9 @@ class SGLangProtocol:
             self._enter("update_weights_from_tensor")
             self._need_session("update_weights_from_tensor")
             if len(payloads) != self.tp_size:
-                raise ProtocolError(f"expected {self.tp_size} serialized payloads (one per TP rank), got {len(payloads)}",
-                                    kind="update")
+                raise ProtocolError(
+                    f"expected {self.tp_size} serialized payloads (one per TP rank), got {len(payloads)}", kind="update"
+                )
             ranks = [pickle.loads(base64.b64decode(p)) if isinstance(p, str) else p for p in payloads]
             if any([n for n, _ in r] != [n for n, _ in ranks[0]] for r in ranks):
                 raise ProtocolError("TP ranks received different tensors", kind="update")
@@ -183,8 +184,9 @@ class SGLangProtocol:
             self._need_session("update_weights_from_tensor")
             self._store(named, None)
 
-    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str) -> None:
+    def init_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
         with self.lock:
             self._enter("init_weights_update_group")
             if backend != "gloo":
@@ -205,8 +207,15 @@ class SGLangProtocol:
         with self.lock:
             self.groups[group_name] = members
 
-    def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                group_name: str, weight_version: str | None) -> None:
+    def update_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+    ) -> None:
         with self.lock:
             self._enter("update_weights_from_distributed")
             self._need_session("update_weights_from_distributed")
@@ -218,7 +227,7 @@ class SGLangProtocol:
         def recv(tp_rank: int) -> None:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
-            for name, dtype, shape in zip(names, dtypes, shapes):
+            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
                 t = torch.empty(shape, dtype=getattr(torch, dtype))
                 members[tp_rank].broadcast([t], opts).wait()
                 received[tp_rank].append((name, t))
@@ -245,8 +254,12 @@ class SGLangProtocol:
     def flush_cache(self) -> None:
         with self.lock:
             self._enter("flush_cache")
-            if self.running:
-                raise ProtocolError("Cache not flushed because there are pending requests.", kind="text")
+            if self.running or self.queued:
+                raise ProtocolError(
+                    f"Cache not flushed because there are pending requests. #queue-req: {self.queued}, "
+                    f"#running-req: {self.running}",
+                    kind="text",
+                )
 
     def pause_generation(self, mode: str) -> None:
         with self.lock:
@@ -280,7 +293,7 @@ def _run_all(fn: Any, n: int) -> None:
     def wrapped(i: int) -> None:
         try:
             fn(i)
-        except BaseException as exc:  # carried to the caller below
+        except Exception as exc:  # noqa: BLE001 - carried to the caller below, as the 400 SGLang would send
             errors.append(exc)
 
     threads = [threading.Thread(target=wrapped, args=(i,), daemon=True) for i in range(n)]
@@ -347,8 +360,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, ok)
             elif path == "/update_weights_from_distributed":
                 proto.update_from_distributed(
-                    names=body["names"], dtypes=body["dtypes"], shapes=body["shapes"],
-                    group_name=body["group_name"], weight_version=body.get("weight_version"),
+                    names=body["names"],
+                    dtypes=body["dtypes"],
+                    shapes=body["shapes"],
+                    group_name=body["group_name"],
+                    weight_version=body.get("weight_version"),
                 )
                 self._send(200, ok)
             elif path == "/destroy_weights_update_group":
@@ -464,8 +480,9 @@ class FakeEngine:
     def end_weight_update(self) -> tuple[bool, str]:
         return self._do(self.protocol.end)
 
-    def update_weights_from_tensor(self, named_tensors: list[tuple[str, torch.Tensor]], load_format: str | None = None,
-                                   flush_cache: bool = True) -> tuple[bool, str]:
+    def update_weights_from_tensor(
+        self, named_tensors: list[tuple[str, torch.Tensor]], load_format: str | None = None, flush_cache: bool = True
+    ) -> tuple[bool, str]:
         result = self._do(self.protocol.update_from_named, named_tensors)
         return result if result is not None else (True, "Succeeded")
 

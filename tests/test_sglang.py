@@ -262,7 +262,9 @@ def test_update_outside_a_session_and_session_misuse(server):
     """Protocol level: an update outside a session is a 400; a second begin or a stray end is success=False."""
     t = HttpTransport(server.url)
     with pytest.raises(EngineRequestError, match="inside a weight update session") as info:
-        t.update_from_tensor([("w", torch.ones(2))], tp_size=1, load_format=None, flush_cache=False, weight_version=None)
+        t.update_from_tensor(
+            [("w", torch.ones(2))], tp_size=1, load_format=None, flush_cache=False, weight_version=None
+        )
     assert info.value.status == 400
     with pytest.raises(EngineSessionError, match="no weight update session"):
         t.end_update()
@@ -308,7 +310,7 @@ def test_an_engine_failing_mid_update_is_named_with_its_step(two_servers):
 
 
 def test_a_session_that_cannot_be_ended_is_reported_and_blocks_the_next_push(two_servers):
-    """If ending B's session fails too, the error says it is STILL OPEN, and the next push refuses until it is closed."""
+    """If ending B's session fails too, the error says STILL OPEN, and the next push refuses until it is closed."""
     a, b = two_servers
     b.protocol.fail_at["update_weights_from_tensor"] = (1, "injected")
     b.protocol.fail_at["end_weight_update"] = (1, "injected: scheduler busy")
@@ -359,19 +361,33 @@ def test_engines_that_disagree_on_the_version_are_named(two_servers):
 
 
 def test_flush_cache_while_requests_run_and_pause_around_an_update(server):
-    """flush_cache is a 400 while requests run; a push retracts them, flushes, and continues generation."""
+    """flush_cache is a 400 while requests run; a push aborts them, flushes, and continues generation."""
     driver = SGLangEngineDriver.http(server.url)
     server.protocol.running = 3
     with pytest.raises(EngineRequestError, match="pending requests") as info:
         driver.flush_cache()
     assert info.value.status == 400
     driver.update_weights([("w", torch.ones(2))], version="1")
-    calls = server.protocol.calls
-    order = [c for c in calls if c in ("pause_generation", "begin_weight_update", "end_weight_update", "flush_cache",
-                                       "continue_generation")]
-    assert order == ["flush_cache", "pause_generation", "begin_weight_update", "end_weight_update", "flush_cache",
-                     "continue_generation"]
-    assert server.protocol.running == 3 and server.protocol.paused_mode is None
+    watched = ("pause_generation", "begin_weight_update", "end_weight_update", "flush_cache", "continue_generation")
+    order = [c for c in server.protocol.calls if c in watched]
+    assert order == [
+        "flush_cache",
+        "pause_generation",
+        "begin_weight_update",
+        "end_weight_update",
+        "flush_cache",
+        "continue_generation",
+    ]
+    assert server.protocol.running == 0 and server.protocol.paused_mode is None
+    driver.close()
+
+
+def test_retract_without_flush_keeps_the_requests(server):
+    """pause_mode='retract' (only without a flush) requeues running requests and continue_generation resumes them."""
+    driver = SGLangEngineDriver.http(server.url, config=SGLangConfig(pause_mode="retract", flush_cache=False))
+    server.protocol.running = 2
+    driver.update_weights([("w", torch.ones(2))], version="1")
+    assert server.protocol.running == 2 and "flush_cache" not in server.protocol.calls
     driver.close()
 
 

@@ -1,0 +1,200 @@
+"""``miles-fsm demo``: the whole loop on the embedded default, and every injection kind end to end."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from miles_fsm.cli import main
+from miles_fsm.demo import DemoConfig, Injection, run_demo
+from miles_fsm.states import Strategy
+
+GUARD_S = 3.0
+#: Every surviving rank and the parent must be out within the guard timeout plus this.
+MARGIN_S = 10.0
+
+
+def _records(trace_dir: Path, rank: int) -> list[dict]:
+    return [orjson.loads(line) for line in (trace_dir / f"rank-{rank}.jsonl").read_bytes().splitlines() if line]
+
+
+def _session_pids(sid: int) -> set[int]:
+    """Live processes of session ``sid`` (the demo runs as a session leader, so all its descendants are in it)."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            out.add(int(entry))
+    return out
+
+
+def _wait_session_empty(sid: int, within_s: float) -> set[int]:
+    deadline = time.monotonic() + within_s
+    while (left := _session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+@pytest.mark.slow
+def test_demo_cli_exits_0_prints_the_summary_and_writes_a_trace_per_rank(tmp_path, capsys, assert_no_leftovers):
+    """The default demo through the CLI: exit 0, a summary per transition, every cycle verified, rank-<r>.jsonl each."""
+    rc = main(["demo", "--trace-dir", str(tmp_path), "--steps", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for phase in ("offload", "pause", "rematerialize", "sync", "resume", "train"):
+        assert re.search(rf"^│ {phase} ", out, re.M), f"no summary row for {phase}:\n{out}"
+    assert "host bytes held while PAUSED (rematerialize)" in out
+    assert "of which bf16 params 0 B" in out
+    assert str(tmp_path) in out.splitlines()[-1]
+    for rank in (0, 1):
+        records = _records(tmp_path, rank)
+        assert sum(r["event"] == "verified" for r in records) == 3
+        assert sum(r["event"] == "demo_step" for r in records) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(Strategy))
+def test_demo_verifies_every_cycle_and_reports_host_bytes_per_mode(mode, tmp_path, assert_no_leftovers):
+    """Both modes verify every cycle bit-exact; rematerialize holds no host bf16 params, backup holds all of them."""
+    result = run_demo(DemoConfig(ranks=2, steps=3, mode=mode, trace_dir=tmp_path))
+    assert result.ok, result.diagnosis
+    assert result.verified == {0: 3, 1: 3}
+    held = result.held()
+    if mode is Strategy.REMATERIALIZE:
+        assert held["actor_bf16_params"] == 0
+        assert 0 < held["actor"] < held["bf16_params"]
+    else:
+        assert held["actor_bf16_params"] == held["bf16_params"]
+    names = {row["name"] for row in result.summary()}
+    assert {"start", "offload", "pause", "generate", "rematerialize", "sync", "resume", "train"} <= names
+
+
+def _run_injected(argv: list[str], capsys) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    rc = main(["demo", "--guard-timeout", str(GUARD_S), *argv])
+    return rc, capsys.readouterr().out, time.monotonic() - t0
+
+
+def _rank_lines(out: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(0) for m in re.finditer(r"^  rank (\d+): .*$", out, re.M)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kind", "mode", "error"),
+    [
+        ("diverge", "rematerialize", "RankDivergenceError"),
+        ("diverge", "backup", "RankDivergenceError"),
+        ("crash", "rematerialize", "FaultLocatedError"),  # dies inside param_sync: rank 0 is in the all-gather
+        ("crash", "backup", "PeerLostError"),  # dies inside restore: rank 0 finds it gone at the next guard
+        ("corrupt", "rematerialize", "FaultLocatedError"),
+        ("corrupt", "backup", "FaultLocatedError"),
+    ],
+)
+def test_injected_fault_names_the_culprit_and_everyone_exits_in_time(
+    kind, mode, error, tmp_path, capsys, assert_no_leftovers
+):
+    """Each injection at rank 1, step 2: exit non-zero within guard + margin; the diagnosis and every
+    rank's error name rank 1."""
+    rc, out, wall = _run_injected(
+        ["--mode", mode, "--steps", "3", "--inject", f"{kind}:1:2", "--trace-dir", str(tmp_path)], capsys
+    )
+    assert rc != 0, out
+    assert wall < GUARD_S + MARGIN_S, f"took {wall:.1f} s"
+    assert "culprit: rank 1\n" in out, out
+    lines = _rank_lines(out)
+    survivor = lines[0]
+    assert error in survivor, out
+    assert re.search(r"rank\(s\) 1\b", survivor), f"rank 0's error does not name rank 1: {survivor}"
+    if kind == "crash":
+        where = "param_sync" if mode == "rematerialize" else "restore"
+        assert "died without reporting (SIGKILL)" in lines[1] and where in lines[1], out
+    else:  # the culprit itself fails too, and knows it
+        assert re.search(r"rank\(s\) 1\b", lines[1]), out
+    if kind == "diverge":
+        # The guard's report names the param that rank 1 alone left out of its buffers.
+        messages = [r.get("message") or "" for r in _records(tmp_path, 0)]
+        assert any("ranks [1] lack pos.weight" in m for m in messages), messages
+
+
+@pytest.mark.slow
+def test_hang_as_a_subprocess_names_the_hung_rank_and_leaves_no_process(tmp_path):
+    """A rank that stops before its guard: the others time out naming it, it is killed, nothing survives."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles_fsm", "demo", "--mode", "backup", "--steps", "3", "--guard-timeout", str(GUARD_S),
+         "--inject", "hang:1:2", "--trace-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    wall = time.monotonic() - t0
+    left = _wait_session_empty(proc.pid, 5.0)
+    assert not left, f"processes left behind: {sorted(left)}"
+    assert proc.returncode == 1, out + err
+    assert wall < GUARD_S + MARGIN_S + 3.0, f"took {wall:.1f} s (includes interpreter start)"
+    assert "culprit: rank 1\n" in out, out
+    lines = _rank_lines(out)
+    assert "GuardTimeoutError" in lines[0] and "rank(s) 1 did not reach the guard" in lines[0], out
+    assert "blocked or hung" in lines[1] and "transition_started offload" in lines[1], out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
+    """SIGINT to the demo's process group (what Ctrl-C sends) ends the run with 130 and no process left."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles_fsm", "demo", "--steps", "200", "--trace-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # wait until both ranks are inside the loop
+            if all((tmp_path / f"rank-{r}.jsonl").exists() for r in (0, 1)) and all(
+                any(rec["event"] == "demo_step" for rec in _records(tmp_path, r)) for r in (0, 1)
+            ):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the demo never started its steps")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    left = _wait_session_empty(proc.pid, 5.0)
+    assert not left, f"processes left behind: {sorted(left)}"
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in out
+
+
+def test_injection_parsing_and_validation(capsys):
+    """--inject takes KIND:RANK:STEP; a bad kind, a rank outside the world or a step past the run
+    is a usage error (exit 2)."""
+    assert Injection.parse("crash:1:2") == Injection(kind="crash", rank=1, step=2)
+    for bad in ("explode:1:2", "crash:1", "crash:x:2"):
+        with pytest.raises(ValueError):
+            Injection.parse(bad)
+    for argv in (["--inject", "explode:0:1"], ["--inject", "hang:5:1"], ["--inject", "hang:0:9", "--steps", "2"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["demo", *argv])
+        assert exc.value.code == 2
+    assert "step must be in 1..2" in capsys.readouterr().err
