@@ -374,8 +374,11 @@ class AsyncLifecycle:
             gate = _Gate(commit_at_start=True)
             cancel = await self._call(lambda: self._lc.recover(target), gate)
             if gate.ran and gate.error is None:
-                self._publish(StateChange(source=source, dest=target, trigger=None, epoch=self._lc.epoch,
-                                          at_mono=time.monotonic()))
+                self._publish(
+                    StateChange(
+                        source=source, dest=target, trigger=None, epoch=self._lc.epoch, at_mono=time.monotonic()
+                    )
+                )
             _deliver(gate, cancel)
 
     # ------------------------------------------------------------------ waits
@@ -471,13 +474,28 @@ class AsyncLifecycle:
         if gate.ran and not gate.abandoned:
             if gate.error is None:
                 result: TransitionResult = gate.value
-                self._publish(StateChange(source=source, dest=result.dest, trigger=trigger, epoch=result.epoch,
-                                          result=result, at_mono=time.monotonic()))
+                self._publish(
+                    StateChange(
+                        source=source,
+                        dest=result.dest,
+                        trigger=trigger,
+                        epoch=result.epoch,
+                        result=result,
+                        at_mono=time.monotonic(),
+                    )
+                )
             elif lc.state is State.FAILED and source is not State.FAILED:
                 failure = lc.failure
-                self._publish(StateChange(source=source, dest=State.FAILED, trigger=trigger,
-                                          epoch=failure.epoch if failure else lc.epoch, error=gate.error,
-                                          at_mono=time.monotonic()))
+                self._publish(
+                    StateChange(
+                        source=source,
+                        dest=State.FAILED,
+                        trigger=trigger,
+                        epoch=failure.epoch if failure else lc.epoch,
+                        error=gate.error,
+                        at_mono=time.monotonic(),
+                    )
+                )
         _deliver(gate, cancel)
         value: TransitionResult = gate.value
         return value
@@ -503,7 +521,7 @@ class AsyncLifecycle:
                     # The CUDA device is per thread; collectives must run on the rank's own.
                     sys.modules["torch"].cuda.set_device(device)
                 gate.value = fn()
-            except BaseException as exc:  # handed to the awaiting task, which raises it
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which raises it
                 gate.error = exc
             finally:
                 gate.finish()
@@ -537,8 +555,14 @@ class AsyncLifecycle:
     def _failed_error(self, target: State) -> RankFailedError:
         failure = self._lc.failure
         if failure is None:  # FAILED without a recorded failure cannot happen; say so rather than guess
-            return RankFailedError(rank=self.rank, waiting_for=target.value, trigger="?", epoch=self.epoch,
-                                   step=None, cause="no failure recorded")
+            return RankFailedError(
+                rank=self.rank,
+                waiting_for=target.value,
+                trigger="?",
+                epoch=self.epoch,
+                step=None,
+                cause="no failure recorded",
+            )
         d = describe(failure.error)
         return RankFailedError(
             rank=self.rank,

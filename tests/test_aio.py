@@ -13,15 +13,15 @@ import time
 import anyio
 import orjson
 import pytest
-from anyio.lowlevel import checkpoint
 from anyio import wait_all_tasks_blocked
+from anyio.lowlevel import checkpoint
+from miles_fsm.states import State, Trigger
 from toy import ToyEngine, ToyTrainer
 
 from miles_fsm.aio import AsyncLifecycle, StateChange
 from miles_fsm.config import LifecycleConfig
 from miles_fsm.errors import RankFailedError, TransitionNotAllowed
 from miles_fsm.lifecycle import Lifecycle
-from miles_fsm.states import State, Trigger
 
 pytestmark = pytest.mark.anyio
 
@@ -96,7 +96,7 @@ async def _until(event: threading.Event) -> None:
 async def test_triggers_run_the_cycle_and_every_watcher_sees_each_change_in_order():
     """Awaitable triggers move the state; two concurrent change iterators each receive every change,
     in order, with the trigger and the result; advance_to walks the table."""
-    trainer, alc = _build()
+    _, alc = _build()
     seen: dict[str, list[StateChange]] = {"a": [], "b": []}
 
     async def watch(name: str, changes) -> None:
@@ -301,7 +301,7 @@ async def test_a_timeout_after_the_point_of_no_return_lets_the_transition_finish
 async def test_wait_for_returns_when_the_state_is_reached():
     """wait_for(PAUSED) blocks through OFFLOADED and returns once pause() finished; wait_for of
     the current state returns at once."""
-    trainer, alc = _build()
+    _, alc = _build()
     await alc.start()
     await alc.wait_for(State.TRAINING)
     reached: list[State] = []
@@ -375,7 +375,7 @@ async def test_rollout_window_gives_the_engine_the_gpu_and_takes_it_back():
 async def test_rollout_window_takes_the_gpu_back_when_the_body_raises_or_is_cancelled():
     """Leaving rollout() runs rematerialize, sync and resume also when the body raises (the error
     propagates) and when the body is cancelled (leaving is shielded; the cancellation follows)."""
-    trainer, alc = _build()
+    _, alc = _build()
     await alc.start()
     with pytest.raises(ValueError, match="generation failed"):
         async with alc.rollout():

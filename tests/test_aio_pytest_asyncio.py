@@ -14,9 +14,8 @@ import time
 
 import pytest
 from anyio import wait_all_tasks_blocked
-from test_aio import _build
-
 from miles_fsm.states import State
+from test_aio import _build
 
 
 @pytest.mark.asyncio

@@ -12,6 +12,7 @@ import anyio
 import orjson
 import pytest
 import torch.distributed as dist
+from miles_fsm.states import State
 from test_aio import GatedTrainer
 from toy import ToyEngine
 
@@ -20,7 +21,6 @@ from miles_fsm.config import GuardConfig, LifecycleConfig
 from miles_fsm.errors import GuardTimeoutError
 from miles_fsm.launch import RankContext, run_ranks
 from miles_fsm.lifecycle import Lifecycle
-from miles_fsm.states import State
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,12 @@ def abandon_before_guard(ctx: RankContext) -> dict:
     """Rank 1 abandons sync before its guard (kwargs mode: cancel or timeout); rank 0 reports its guard."""
     trainer, alc = _lifecycle(ctx)
     out = anyio.run(
-        _sync_abandoned_before_guard, alc, trainer, ctx.rank, ctx.kwargs["mode"], backend=ctx.kwargs["backends"][ctx.rank]
+        _sync_abandoned_before_guard,
+        alc,
+        trainer,
+        ctx.rank,
+        ctx.kwargs["mode"],
+        backend=ctx.kwargs["backends"][ctx.rank],
     )
     _hold_until_rank0_is_done(ctx)
     return {**out, "calls": trainer.calls}
