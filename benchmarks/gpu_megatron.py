@@ -102,7 +102,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build(args: argparse.Namespace, memory: TmsMemory, tms: Any) -> dict[str, Any]:
+def build(args: argparse.Namespace, memory: Any, tms: Any, *, optimizer_backup: bool = True) -> dict[str, Any]:
+    """The GPT, its DDP chunk and optimizer; the optimizer under ``default``, with a region
+    backup unless ``optimizer_backup`` is False (the driver then keeps it: optimizer_offload="driver")."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state
@@ -144,7 +146,7 @@ def build(args: argparse.Namespace, memory: TmsMemory, tms: Any) -> dict[str, An
     torch.cuda.empty_cache()
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-5, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     state = {"chunks": [ddp], "config": config, "params": n_params, "args": args}
-    with tms.region(tag="default", enable_cpu_backup=True):
+    with tms.region(tag="default", enable_cpu_backup=optimizer_backup):
         state["optimizer"] = get_megatron_optimizer(opt_config, [ddp])
         train_step(state, step=0)  # Adam creates its state on the first step: inside the region
     return state

@@ -15,6 +15,17 @@ engine had the GPU:
   ``extra_params`` the config names.
 - **backup**: a full host copy (pinned on CUDA) of every tensor, per tag.
 
+Host copies live in persistent flat buffers (``drivers/pinned.py``), pinned
+on CUDA and reused every cycle; copies are chunked over two streams.
+With ``optimizer_offload="driver"`` the optimizer state (``default`` tag)
+takes the same path: on pause the driver copies every device storage the
+optimizer objects hold (fp32 master shards, Adam moments, scalars such as
+``_scale_one``) into its pinned buffer and pauses the tag *without* a
+torch_memory_saver backup; on resume it copies them back. Build the
+optimizer under a ``default`` region without ``enable_cpu_backup`` then
+(``MegatronDriverConfig.tag_memory`` says so), and put nothing else there
+that must survive: only what the optimizer references comes back.
+
 The non-actor tags (``ref``, ``teacher``, ``old_actor``, ``rollout_actor``)
 always keep full host copies.
 
@@ -45,6 +56,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from miles_fsm.drivers.megatron_config import MegatronDriverConfig, megatron_facts
+from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
 from miles_fsm.drivers.protocols import StepReport
 from miles_fsm.errors import (
     BufferRoutingError,
@@ -56,9 +68,13 @@ from miles_fsm.errors import (
 from miles_fsm.plan import Collective, TensorSet
 from miles_fsm.states import Step, StepKind, Strategy
 
-__all__ = ["ACTOR", "NON_ACTOR_TAGS", "MegatronTrainer", "PauseResume", "ddp_buffers_in_tags"]
+__all__ = ["ACTOR", "NON_ACTOR_TAGS", "OPTIMIZER_KEY", "MegatronTrainer", "PauseResume", "ddp_buffers_in_tags"]
 
 ACTOR = "actor"
+#: The host-copy key of the optimizer state (``optimizer_offload="driver"``).
+OPTIMIZER_KEY = "optimizer_state"
+#: The memory tag the optimizer state is allocated under.
+_OPTIMIZER_TAG = "default"
 NON_ACTOR_TAGS = ("ref", "teacher", "old_actor", "rollout_actor")
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -179,6 +195,7 @@ class MegatronTrainer:
         config: MegatronDriverConfig | None = None,
         memory: PauseResume | None = None,
         convert: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None,
+        host: HostCopies | None = None,
     ) -> None:
         if not chunks:
             raise ConfigError(["at least one DDP model chunk is needed"], "MegatronTrainer")
@@ -188,7 +205,9 @@ class MegatronTrainer:
         self._config = config or MegatronDriverConfig.from_megatron(self._chunks, optimizer)
         self._memory = memory
         self._convert = convert
-        self._host: dict[str, dict[str, torch.Tensor]] = {}
+        # Shared between drivers when given (one set of pinned buffers per process).
+        self._host = host if host is not None else HostCopies(config=PinnedConfig(pin=self._config.pin_memory))
+        self._weight_tags: set[str] = set()
         self._paused: set[str] = set()
         self._check_megatron_agrees()
         if self.strategy is Strategy.REMATERIALIZE:
@@ -314,27 +333,23 @@ class MegatronTrainer:
 
     # ----------------------------------------------------------- host copies
 
+    @property
+    def host_copies(self) -> HostCopies:
+        """The persistent host buffers (their ``log`` records every copy's bytes and seconds)."""
+        return self._host
+
     def _snapshot(self, tag: str, live: Mapping[str, torch.Tensor]) -> StepReport:
-        """Copy ``live`` into ``tag``'s host copy, reusing its (pinned) buffers across cycles."""
-        store = self._host.get(tag, {})
-        fresh: dict[str, torch.Tensor] = {}
-        moved = 0
-        for name, src in live.items():
-            dst = store.get(name)
-            if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
-                pin = self._config.pin_memory and src.is_cuda
-                dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
-            dst.copy_(src.detach(), non_blocking=dst.is_pinned())
-            fresh[name] = dst
-            moved += src.numel() * src.element_size()
-        _sync(live.values())
-        self._host[tag] = fresh
+        """Copy ``live`` into ``tag``'s host copy, reusing its (pinned) buffer across cycles."""
+        moved = self._host.save(tag, live).nbytes
+        self._weight_tags.add(tag)
         return StepReport(bytes_moved=moved, host_bytes=self.host_bytes())
 
     def host_bytes(self, tag: str | None = None) -> int:
-        """Host bytes held by this driver's copies (of one tag, or all)."""
-        tags = [tag] if tag is not None else list(self._host)
-        return sum(t.numel() * t.element_size() for k in tags for t in self._host.get(k, {}).values())
+        """Host bytes of tensor data held by this driver's copies (of one tag, or all, optimizer state included)."""
+        if tag is not None:
+            return self._host.host_bytes(tag) if tag in self._host else 0
+        keys = self._weight_tags | ({OPTIMIZER_KEY} if OPTIMIZER_KEY in self._host else set())
+        return sum(self._host.host_bytes(k) for k in keys if k in self._host)
 
     def backup(self, tag: str) -> StepReport:
         """Host copy of ``tag``: the extras only for the actor under rematerialize, else everything."""
@@ -345,13 +360,8 @@ class MegatronTrainer:
 
     def restore(self, tag: str) -> StepReport:
         """Write ``tag``'s host copy into the live tensors (all of it, or the extras)."""
-        store = self._held(tag)
-        live = self.tensors()
-        moved = 0
-        for name, host in store.items():
-            live[name].detach().copy_(host, non_blocking=host.is_pinned())
-            moved += host.numel() * host.element_size()
-        _sync(live.values())
+        self._held(tag)
+        moved = self._host.load(tag, self.tensors()).nbytes
         return StepReport(bytes_moved=moved, host_bytes=self.host_bytes())
 
     def copy(self, src_tag: str, dst_tag: str) -> None:
@@ -375,9 +385,9 @@ class MegatronTrainer:
         return MappingProxyType(self._held(tag))
 
     def _held(self, tag: str) -> dict[str, torch.Tensor]:
-        if tag not in self._host:
-            raise HostCopyMissingError(tag=tag, held=list(self._host))
-        return self._host[tag]
+        if tag not in self._weight_tags:
+            raise HostCopyMissingError(tag=tag, held=sorted(self._weight_tags))
+        return self._host.views(tag)
 
     def _require_resident(self, op: str, tags: Sequence[str]) -> None:
         paused = sorted(set(tags) & self._paused)
@@ -406,6 +416,8 @@ class MegatronTrainer:
     # ------------------------------------------------------------ memory
 
     def pause_memory(self, tag: str) -> None:
+        if self._offloads_optimizer(tag):
+            self._host.save(OPTIMIZER_KEY, self.optimizer_state())
         if self._memory is not None:
             self._memory.pause(tag)
         self._paused.add(tag)
@@ -414,6 +426,74 @@ class MegatronTrainer:
         if self._memory is not None:
             self._memory.resume(tag)
         self._paused.discard(tag)
+        if self._offloads_optimizer(tag):
+            self._host.load(OPTIMIZER_KEY, self.optimizer_state())
+
+    def _offloads_optimizer(self, tag: str) -> bool:
+        return tag == _OPTIMIZER_TAG and self._config.optimizer_offload == "driver"
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """Every storage the optimizer objects hold outside the DDP buffers, as flat byte tensors.
+
+        Walked in a fixed order: per inner optimizer, the fp32 master shards,
+        then each param's optimizer state (Adam's moments, a device step),
+        then tensor attributes of the inner and chained optimizer objects
+        (``_scale_one``, ``found_inf``). Views of one storage count once;
+        storages inside a DDP param or grad buffer (the bf16 params, the
+        main grads, fp32 params' shards) are left out: those tags are
+        rebuilt, not restored. Only storages on the buffers' device count.
+        """
+        device = self._buffer_device()
+        skip = self._ddp_storages()
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+
+        def add(name: str, t: Any) -> None:
+            if not isinstance(t, torch.Tensor) or t.device != device:
+                return
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in seen or ptr in skip or storage.nbytes() == 0:
+                return
+            seen.add(ptr)
+            flat = torch.empty(0, dtype=torch.uint8, device=device)
+            out[name] = flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+        for k, opt in enumerate(self._inner):
+            for attr in ("shard_fp32_from_float16_groups", "shard_fp32_groups"):
+                for g, group in enumerate(getattr(opt, attr, None) or ()):
+                    for i, t in enumerate(group):
+                        add(f"opt{k}.{attr}.{g}.{i}", t)
+            inner = getattr(opt, "optimizer", None)
+            if inner is not None and hasattr(inner, "state"):
+                for g, group in enumerate(inner.param_groups):
+                    for i, p in enumerate(group["params"]):
+                        for key, value in sorted(inner.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+                            add(f"opt{k}.state.{g}.{i}.{key}", value)
+            for attr, value in sorted(vars(opt).items()):
+                add(f"opt{k}.{attr}", value)
+        for attr, value in sorted(vars(self._optimizer).items()):
+            add(f"chained.{attr}", value)
+        return out
+
+    def _buffer_device(self) -> torch.device:
+        for chunk in self._chunks:
+            for buf in self._ddp_buffers(chunk):
+                data = getattr(buf, "param_data", None)
+                if data is None:
+                    data = buf.grad_data
+                return data.device
+        return next(p.device for _, p in self._named_params())
+
+    def _ddp_storages(self) -> set[int]:
+        out = set()
+        for chunk in self._chunks:
+            for buf in self._ddp_buffers(chunk):
+                for attr in ("param_data", "grad_data"):
+                    data = getattr(buf, attr, None)
+                    if data is not None:
+                        out.add(data.untyped_storage().data_ptr())
+        return out
 
     def memory_in_use(self) -> int | None:
         """Device bytes in use (CUDA: the whole device), or the saver's resident bytes on CPU."""
@@ -433,8 +513,3 @@ class MegatronTrainer:
                 yield name, t
             else:
                 yield from self._convert(name, t)
-
-
-def _sync(tensors: Iterable[torch.Tensor]) -> None:
-    if torch.cuda.is_available() and any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()

@@ -71,6 +71,12 @@ class MegatronDriverConfig:
     ci: bool = field(default_factory=ci_mode)
     #: Pin host copies (only possible, and only useful, with CUDA tensors).
     pin_memory: bool = True
+    #: Who keeps the optimizer state (``default`` tag) across a pause:
+    #: ``"saver"``, torch_memory_saver's region backup (fresh host memory each
+    #: pause, about 2.4 GB/s pause and 8 GB/s resume on an H200); or
+    #: ``"driver"``, the driver's persistent pinned buffers at the pinned-copy
+    #: limit, the tag then paused without a region backup.
+    optimizer_offload: Literal["saver", "driver"] = "saver"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy(self.strategy))
@@ -95,6 +101,8 @@ class MegatronDriverConfig:
             out.append(f"independent_dp_cells must be >= 1, got {self.independent_dp_cells}")
         if self.critic_only_steps < 0:
             out.append(f"critic_only_steps must be >= 0, got {self.critic_only_steps}")
+        if self.optimizer_offload not in ("saver", "driver"):
+            out.append(f"optimizer_offload must be 'saver' or 'driver', got {self.optimizer_offload!r}")
         if self.offload_target not in ("cpu", "disk"):
             out.append(f"offload_target must be 'cpu' or 'disk', got {self.offload_target!r}")
         return out
@@ -158,11 +166,12 @@ class MegatronDriverConfig:
         Neither buffer tag keeps a region backup: grads are zeroed before the
         next step, and the params come back from the driver (rematerialized,
         or restored from its own host copy). ``default`` (optimizer state,
-        master weights) must come back as it was.
+        master weights) must come back as it was: through the region backup,
+        or, with ``optimizer_offload="driver"``, through the driver's copy.
         """
         return (
             TagMemory(tag="grad_buffer", cpu_backup=False),
-            TagMemory(tag="default", cpu_backup=True),
+            TagMemory(tag="default", cpu_backup=self.optimizer_offload == "saver"),
             TagMemory(tag="param_buffer", cpu_backup=False),
         )
 

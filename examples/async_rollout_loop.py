@@ -50,7 +50,7 @@ from miles_fsm.drivers.reference import ModelConfig, ReferenceTrainer, TrainerCo
 from miles_fsm.drivers.reference_engine import EngineConfig, ReferenceEngine
 from miles_fsm.states import State
 
-from miles_fsm.aio import AsyncLifecycle
+from miles_fsm.aio import AsyncLifecycle, StateChanges
 from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
 from miles_fsm.guard import Guard
 from miles_fsm.launch import RankContext, run_ranks
@@ -184,8 +184,8 @@ async def rl_loop(cfg: LoopConfig, *, rank: int = 0) -> dict[str, Any]:
             gaps.append(now - last)
             last = now
 
-    async def monitor() -> None:
-        with alc.changes() as stream:
+    async def monitor(stream: StateChanges) -> None:
+        with stream:
             async for change in stream:
                 took = f" in {change.result.duration_s * 1e3:.1f} ms" if change.result else ""
                 changes.append(f"{change.source.value}->{change.dest.value}")
@@ -206,20 +206,21 @@ async def rl_loop(cfg: LoopConfig, *, rank: int = 0) -> dict[str, Any]:
     with lc:
         async with anyio.create_task_group() as tg:
             tg.start_soon(heartbeat)
-            tg.start_soon(monitor)
-            tg.start_soon(lambda: server.serve(new_tokens=cfg.new_tokens))
-            await anyio.wait_all_tasks_blocked()  # the monitor is subscribed before the first change
+            tg.start_soon(monitor, alc.changes())  # subscribed now, before the first change
+            tg.start_soon(functools.partial(server.serve, new_tokens=cfg.new_tokens))
             await alc.start()
             for step in range(1, cfg.steps + 1):
                 gen = torch.Generator().manual_seed(1000 * step + rank)
                 prompts = torch.randint(0, model.vocab, (cfg.requests, cfg.prompt_len), generator=gen)
                 out: dict[str, list[Any]] = {"tokens": [None] * cfg.requests, "rewards": [None] * cfg.requests}
                 t0 = time.perf_counter()
-                async with anyio.create_task_group() as scores, alc.rollout() as window:
-                    async with anyio.create_task_group() as requests:
-                        for i in range(cfg.requests):
-                            requests.start_soon(rollout, i, prompts[i], out, scores)
-                    # Rewards still being scored overlapped the way back to TRAINING.
+                # `scores` outlives the window: rewards still being scored when the last
+                # rollout is in overlap the way back to TRAINING.
+                async with anyio.create_task_group() as scores:  # noqa: SIM117
+                    async with alc.rollout() as window:
+                        async with anyio.create_task_group() as requests:
+                            for i in range(cfg.requests):
+                                requests.start_soon(rollout, i, prompts[i], out, scores)
                 rollouts = torch.stack(out["tokens"])
                 rewards = torch.tensor(out["rewards"], dtype=torch.float32)
                 loss = await anyio.to_thread.run_sync(

@@ -11,6 +11,7 @@ out, peers fail) is its consequence, not its cause.
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,15 +36,18 @@ class Verdict:
 
 #: Intent fields, in the order a divergence names the first that differs.
 _FIELDS = (
-    "epoch",
     "trigger",
+    "epoch",
     "source state",
     "destination",
     "steps",
     "guarded",
-    "collectives",
     "tensors",
+    "collectives",
     "plan fingerprint",
+)
+_CORE_EVENTS = frozenset(
+    ("guard_failed", "verify_failed", "store_unreachable", "transition_failed", "transition_cancelled", "recovered")
 )
 _GUARD_FIELDS = frozenset(("guarded", "collectives", "tensors", "plan fingerprint"))
 
@@ -107,6 +111,7 @@ class _Problem:
     epoch: int | None
     transition: str | None
     headline: str
+    consequence: bool = False
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
@@ -192,46 +197,14 @@ def diagnose(
                 )
             )
 
-    verification = _verification(traces)
-    if verification:
-        first_pos = min(v["position"] for v in verification)
-        firsts = [v for v in verification if v["position"] == first_pos]
-        who = sorted({v["rank"] for v in firsts})
-        tensors = sorted({n for v in firsts for n in v["tensors"]})
-        v0 = firsts[0]
-        problems.append(
-            _Problem(
-                verdict=Verdict.CORRUPT,
-                position=first_pos,
-                culprits=tuple(who),
-                epoch=v0["epoch"],
-                transition=v0["transition"],
-                headline=f"verification failed on {_plural(who)} in {v0['transition']} (epoch {v0['epoch']}, "
-                f"{v0['where']}): {_names(tensors)} changed",
-            )
-        )
-
     failures = _step_failures(traces)
-    for f in failures:
-        if f["verification"]:
-            continue
-        problems.append(
-            _Problem(
-                verdict=Verdict.CRASHED,
-                position=f["position"],
-                culprits=(f["rank"],),
-                epoch=f["epoch"],
-                transition=f["transition"],
-                headline=f"rank {f['rank']} failed in {f['action']} of {f['transition']} (epoch {f['epoch']}): "
-                f"{f['error']}: {_first_line(f['message'])}",
-            )
-        )
-
-    stuck = _stopped(traces, by_rank, missing, guard_failures, last_wall)
+    located = _located(traces)
+    accused = _accusations(traces, guard_failures, failures, located)
+    stuck = _stopped(traces, by_rank, missing, guard_failures, accused, last_wall)
     for s in stuck:
         verdict = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK}.get(s["how"])
         if verdict is None:
-            verdict = Verdict.STUCK if s["waited_on_by"] else Verdict.INCOMPLETE
+            verdict = Verdict.STUCK if s["waited_on_by"] or s["located_by"] else Verdict.INCOMPLETE
         problems.append(
             _Problem(
                 verdict=verdict,
@@ -242,21 +215,55 @@ def diagnose(
                 headline=s["summary"],
             )
         )
+    stopped_at = min((s["position"] for s in stuck), default=None)
+
+    verification = _verification(traces)
+    if verification:
+        problems.append(_corruption(verification, located))
+
+    for f in failures:
+        if f["verification"]:
+            continue
+        # A peer's crash or hang shows up on the survivors as a failed collective: a consequence.
+        consequence = stopped_at is not None and stopped_at <= f["position"] and bool(
+            _PEER_LOST.search(f["message"] or "") or _TIMED_OUT.search(f["message"] or "")
+        )
+        problems.append(
+            _Problem(
+                verdict=Verdict.CRASHED,
+                position=f["position"],
+                culprits=(f["rank"],),
+                epoch=f["epoch"],
+                transition=f["transition"],
+                headline=f"rank {f['rank']} failed in {f['action']} of {f['transition']} (epoch {f['epoch']}): "
+                f"{f['error']}: {_first_line(f['message'])}",
+                consequence=consequence,
+            )
+        )
 
     trace_problems = _trace_problems(traces, missing)
     notes: list[str] = []
-    if problems:
-        first_pos = min(p.position for p in problems)
-        at_first = sorted((p for p in problems if p.position == first_pos), key=lambda p: _RANK[p.verdict])
+    causes = [p for p in problems if not p.consequence] or problems
+    if causes:
+        first_pos = min(p.position for p in causes)
+        at_first = sorted((p for p in causes if p.position == first_pos), key=lambda p: _RANK[p.verdict])
         lead = at_first[0]
         same = [p for p in at_first if p.verdict == lead.verdict]
         culprits = sorted({r for p in same for r in p.culprits})
         verdict = lead.verdict
         headline = lead.headline if len(same) == 1 else f"{lead.headline} (and {len(same) - 1} more like it)"
         culprit = {"ranks": culprits, "epoch": lead.epoch, "transition": lead.transition, "position": first_pos}
+        damaged = [r for r in culprits if r in by_rank and (by_rank[r].lost or by_rank[r].bad)]
+        if verdict == Verdict.DIVERGENCE and culprits and len(damaged) == len(culprits):
+            # A lost record shifts that rank's transitions: the "divergence" may be the damage itself.
+            verdict = Verdict.INCOMPLETE
+            headline = (
+                f"the traces of {_plural(damaged)} are damaged (records lost to bad lines), and that is where "
+                f"they seem to diverge: {headline}"
+            )
         later = [p for p in problems if p not in same]
         if later:
-            notes.append(f"{len(later)} later problem(s) follow from or come after the first one")
+            notes.append(f"{len(later)} more problem(s) at or after this point, most likely its consequences (below)")
     else:
         culprit = None
         verdict, headline = _clean_verdict(traces, missing, trace_problems)
@@ -279,6 +286,40 @@ def diagnose(
         stragglers=stragglers,
         trace_problems=trace_problems,
         notes=notes,
+    )
+
+
+def _corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]]) -> _Problem:
+    """The first verification failure, traced to the rank whose data was wrong where the records allow."""
+    first_pos = min(v["position"] for v in verification)
+    firsts = [v for v in verification if v["position"] == first_pos]
+    failed = sorted({v["rank"] for v in firsts})
+    tensors = sorted({n for v in firsts for n in v["tensors"]})
+    v0 = firsts[0]
+    named = Counter(c for loc in located if loc["position"] >= first_pos - 1 for c in loc["culprits"])
+    if named:
+        top = max(named.values())
+        culprits = sorted(r for r, n in named.items() if n == top)
+        why = f"; traced to {_plural(culprits)} by the ranks' own records (data rebuilt from its state)"
+    else:
+        groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
+        for v in firsts:
+            groups[tuple(v["tensors"])].append(v["rank"])
+        if len(groups) > 1:
+            ordered = sorted(groups.values(), key=lambda rs: (-len(rs), rs[0]))
+            culprits = sorted(r for rs in ordered[1:] for r in rs)
+            why = f"; {_plural(culprits)} saw a different set of mismatches than the others"
+        else:
+            culprits = failed
+            why = "" if len(failed) == 1 else "; every rank saw the same mismatch, so the traces do not say whose data was wrong"
+    return _Problem(
+        verdict=Verdict.CORRUPT,
+        position=first_pos,
+        culprits=tuple(culprits),
+        epoch=v0["epoch"],
+        transition=v0["transition"],
+        headline=f"verification failed on {_plural(failed)} in {v0['transition']} (epoch {v0['epoch']}, "
+        f"{v0['where']}): {_names(tensors)} changed{why}",
     )
 
 
@@ -383,22 +424,46 @@ def _first_divergence(traces: Sequence[RankTrace]) -> dict[str, Any] | None:
     behind = sorted(t.rank for t in traces if t.positions <= first)
     groups_json = [{"ranks": rs, "value": shown[k]} for k, rs in ordered]
     others = ", ".join(f"{_plural(rs)} {_show(shown[k])}" for k, rs in ordered[1:])
+    also = [
+        n
+        for n in _FIELDS[_FIELDS.index(name) + 1 :]
+        if len({_key(d[n]) for d in at.values() if not (n in _GUARD_FIELDS and d["guarded"] is None)}) > 1
+    ]
+    guard = _guard_report(traces, first)
     summary = (
         f"ranks disagree on {name} at {maj['trigger']} (epoch {maj['epoch']}): "
         f"{_plural(majority)} {_show(shown[ordered[0][0]])}; {others}"
     )
+    if guard is not None and guard["detail"]:
+        summary += f" (the guard: {'; '.join(guard['detail'])})"
     return {
         "position": first,
         "epoch": maj["epoch"],
         "transition": maj["trigger"],
         "field": name,
+        "also_differ": also,
         "groups": groups_json,
+        "guard_report": guard,
         "culprits": culprits,
         "tie": tie,
         "not_yet_at_guard": not_reached,
         "not_there": behind,
         "summary": summary,
     }
+
+
+def _guard_report(traces: Sequence[RankTrace], position: int) -> dict[str, Any] | None:
+    """What the guard itself said at this position, if it caught the divergence (its field and detail)."""
+    for t in traces:
+        for n in t.notes:
+            if n.position == position and n.event == "guard_failed" and n.record.get("error") == "RankDivergenceError":
+                rec = n.record
+                lines = (rec.get("message") or "").splitlines()[1:]
+                detail = [x.strip() for x in lines if x.startswith("  ") and not x.strip().startswith("ranks [")
+                          or "lack" in x]
+                return {"field": rec.get("field"), "groups": rec.get("groups"), "culprits": rec.get("culprits"),
+                        "detail": detail, "rank": t.rank}
+    return None
 
 
 def _key(v: Any) -> str:
@@ -500,19 +565,83 @@ def _step_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------ stopped ranks
 
 
+_PEER_LOST = re.compile(r"connection (?:closed|reset) by peer|remote worker crash|peer (?:lost|closed)|broken pipe", re.I)
+_TIMED_OUT = re.compile(r"timed? ?out|timeout", re.I)
+
+
+def _located(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
+    """Faults that a driver or the demo located itself: records of their own with a ``culprits`` list."""
+    out = []
+    for t in traces:
+        for n in t.notes:
+            culprits = n.record.get("culprits")
+            if n.event in _CORE_EVENTS or not isinstance(culprits, list) or not culprits:
+                continue
+            out.append(
+                {
+                    "rank": t.rank,
+                    "event": n.event,
+                    "position": n.position,
+                    "epoch": n.record.get("epoch"),
+                    "culprits": sorted(int(c) for c in culprits if isinstance(c, int)),
+                    "error": n.record.get("error"),
+                    "where": n.record.get("where"),
+                }
+            )
+    return out
+
+
+def _accusations(
+    traces: Sequence[RankTrace],
+    guard_failures: list[dict[str, Any]],
+    failures: list[dict[str, Any]],
+    located: list[dict[str, Any]],
+) -> dict[int, list[dict[str, Any]]]:
+    """Who the surviving ranks' records blame for stopping, and how (lost connection, timeout, located)."""
+    accused: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for g in guard_failures:
+        kind = {"GuardTimeoutError": "timeout", "PeerLostError": "lost"}.get(g["error"])
+        if kind is None:
+            continue
+        via = f"the guard of {g['transition']} (epoch {g['epoch']}, {g['error']})"
+        for m in g["missing"]:
+            accused[m].append({"kind": kind, "by": g["ranks"], "position": g["position"], "epoch": g["epoch"],
+                               "transition": g["transition"], "via": via})
+    # A collective that failed on some ranks and left another silent mid-transition: the silent one.
+    silent = {t.rank: t.open.index for t in traces if t.open is not None}
+    grouped: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    for f in failures:
+        message = f["message"] or ""
+        kind = "lost" if _PEER_LOST.search(message) else ("timeout" if _TIMED_OUT.search(message) else None)
+        if kind is not None:
+            grouped[(f["position"], kind)].append(f)
+    for (position, kind), fs in grouped.items():
+        f = fs[0]
+        by = sorted(x["rank"] for x in fs)
+        what = "lost a peer" if kind == "lost" else "timed out"
+        via = f"{f['action']} of {f['transition']} (epoch {f['epoch']}), where they {what}"
+        for r, at in silent.items():
+            if at <= position and r not in by:
+                accused[r].append({"kind": kind, "by": by, "position": position, "epoch": f["epoch"],
+                                   "transition": f["transition"], "via": via})
+    for loc in located:
+        for c in loc["culprits"]:
+            if c != loc["rank"]:
+                accused[c].append({"kind": "located", "by": [loc["rank"]], "position": loc["position"],
+                                   "epoch": loc["epoch"], "transition": loc["where"],
+                                   "via": f"its own {loc['event']} record"})
+    return accused
+
+
 def _stopped(
     traces: Sequence[RankTrace],
     by_rank: dict[int, RankTrace],
     missing: list[int],
     guard_failures: list[dict[str, Any]],
+    accused: dict[int, list[dict[str, Any]]],
     last_wall: float | None,
 ) -> list[dict[str, Any]]:
     """Ranks that stopped while others needed them: accused by survivors, or ending open or behind."""
-    accused: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for g in guard_failures:
-        if g["error"] in ("GuardTimeoutError", "PeerLostError"):
-            for m in g["missing"]:
-                accused[m].append(g)
     # Ranks waiting at a guard when their trace ends, or failed at one: they wait on someone.
     waiting: dict[int, int] = {}
     for t in traces:
@@ -523,24 +652,21 @@ def _stopped(
             for r in g["ranks"]:
                 waiting[r] = g["position"]
     wait_pos = max(waiting.values(), default=None)
-
-    candidates: set[int] = set(accused)
+    # Only accusations that could explain a stop: located faults alone name culprits of other kinds too.
+    candidates = {r for r, acc in accused.items() if any(a["kind"] != "located" for a in acc)}
+    open_elsewhere = [t for t in traces if t.open is not None and t.open.phase != "guard"]
+    everyone = len(open_elsewhere) == len(traces) and len({t.open.index for t in open_elsewhere}) == 1  # type: ignore[union-attr]
     for t in traces:
-        if t.open is not None and t.open.phase != "guard":
+        if t.open is not None and t.open.phase != "guard" and not everyone:
             candidates.add(t.rank)
         elif wait_pos is not None and t.positions <= wait_pos and t.rank not in waiting and t.state != "FAILED":
             candidates.add(t.rank)
     if waiting:
         candidates.update(missing)
-
-    out = []
-    for r in sorted(candidates):
-        t = by_rank.get(r)
-        acc = accused.get(r, [])
-        waiters = sorted({w for w in waiting if w != r})
-        entry = _stopped_entry(r, t, acc, waiters, traces, last_wall)
-        out.append(entry)
-    return out
+    return [
+        _stopped_entry(r, by_rank.get(r), accused.get(r, []), sorted(w for w in waiting if w != r), traces, last_wall)
+        for r in sorted(candidates)
+    ]
 
 
 def _stopped_entry(
@@ -551,49 +677,48 @@ def _stopped_entry(
     traces: Sequence[RankTrace],
     last_wall: float | None,
 ) -> dict[str, Any]:
-    lost = Counter(g["error"] for g in acc)
-    accusers = sorted({x for g in acc for x in g["ranks"]})
-    at = min(acc, key=lambda g: g["position"]) if acc else None
+    decisive = [a for a in acc if a["kind"] != "located"]
+    at = min(decisive or acc, key=lambda a: a["position"]) if acc else None
+    since = None if t is None else t.last_wall
     if t is None:
-        state, epoch, inside, position, transition = None, at["epoch"] if at else None, "no trace at all", None, None
-        since = None
+        state, epoch, position, transition = None, at["epoch"] if at else None, None, None
+        inside = "no trace at all"
     elif t.open is not None:
         o = t.open
         state, epoch, position, transition = o.source, o.epoch, o.index, o.trigger
         inside = {
-            "planning": f"planning {o.trigger}, before its guard",
+            "planning": f"{o.trigger}, before its guard",
             "guard": f"the guard of {o.trigger}",
             "step": f"action {o.action} of {o.trigger}",
             "between steps": f"{o.trigger}, after its action {o.action}",
         }[o.phase]
-        since = t.last_wall
     else:
         state, epoch, position = t.state, t.epoch, t.positions
         done = t.trigger_at(t.positions - 1) if t.positions else "nothing"
         transition = at["transition"] if at else _next_trigger(traces, t.positions)
-        if at is not None:
+        if at is not None and at["epoch"] is not None:
             epoch = at["epoch"]
-        inside = f"no transition: it finished {done}" + (f" and never started {transition}" if transition else "")
-        since = t.last_wall
+        inside = f"between transitions: it finished {done}" + (f" and never started {transition}" if transition else "")
     if position is None:
         position = at["position"] if at else min((x.positions for x in traces), default=0)
     silent = None if since is None or last_wall is None else max(0.0, last_wall - since)
-    how, evidence = _how(r, t, lost, accusers, at)
+    how, evidence = _how(r, t, acc)
     verb = {"crashed": "crashed", "stuck": "is stuck", "unknown": "stopped"}[how]
     if t is None:
         summary = f"rank {r} {verb}: it left no trace"
     elif t.open is not None:
-        summary = f"rank {r} {verb} inside {inside} (epoch {epoch}, state {state})"
+        summary = f"rank {r} {verb} in {inside} (epoch {epoch}, state {state})"
     else:
-        summary = f"rank {r} {verb} between transitions in {state}: {inside.removeprefix('no transition: it ')} (epoch {epoch})"
+        summary = f"rank {r} {verb} in {state}, {inside} (epoch {epoch})"
     if silent is not None:
         summary += f"; silent for ~{silent:.1f} s before the last record of any rank"
+    accusers = sorted({x for a in decisive for x in a["by"]})
     if accusers:
         summary += f"; {_plural(accusers)} " + (
             "lost their connection to it" if how == "crashed" else "timed out waiting for it"
         )
     elif waiters:
-        summary += f"; {_plural(waiters)} were waiting at a guard"
+        summary += f"; {_plural(waiters)} were waiting for it at a guard"
     return {
         "rank": r,
         "state": state,
@@ -606,31 +731,37 @@ def _stopped_entry(
         "how": how,
         "evidence": evidence,
         "accused_by": accusers,
+        "located_by": sorted({x for a in acc if a["kind"] == "located" for x in a["by"]}),
         "waited_on_by": waiters,
         "summary": summary,
     }
 
 
-def _how(
-    r: int, t: RankTrace | None, lost: Counter[str], accusers: list[int], at: dict[str, Any] | None
-) -> tuple[str, str]:
-    where = f"at the guard of {at['transition']} (epoch {at['epoch']})" if at else ""
-    if lost["PeerLostError"] and lost["PeerLostError"] >= lost["GuardTimeoutError"]:
+def _how(r: int, t: RankTrace | None, acc: list[dict[str, Any]]) -> tuple[str, str]:
+    kinds = Counter(a["kind"] for a in acc)
+    lost = [a for a in acc if a["kind"] == "lost"]
+    timeout = [a for a in acc if a["kind"] == "timeout"]
+    located = sorted({x for a in acc if a["kind"] == "located" for x in a["by"]})
+    also = f"; {_plural(located)} also named it as the culprit" if located else ""
+    if lost and kinds["lost"] >= kinds["timeout"]:
+        a = lost[0]
         return "crashed", (
-            f"{_plural(accusers)} lost their connection to rank {r} {where} (PeerLostError): its process was gone"
+            f"{_plural(sorted({x for a in lost for x in a['by']}))} lost their connection to rank {r} in "
+            f"{a['via']} and recorded it, while rank {r} recorded nothing more: its process was gone{also}"
         )
-    if lost["GuardTimeoutError"]:
+    if timeout:
+        a = timeout[0]
         return "stuck", (
-            f"{_plural(accusers)} waited the full guard timeout for rank {r} {where} (GuardTimeoutError): "
-            "its process was alive but did not arrive"
+            f"{_plural(sorted({x for a in timeout for x in a['by']}))} waited the full timeout for rank {r} in "
+            f"{a['via']}: its process was alive (its connections stayed open) but it never arrived{also}"
         )
     if t is not None and t.truncated is not None:
-        return "crashed", f"its last line ({t.truncated.where}) is cut short: the process died while writing it"
+        return "crashed", f"its last line ({t.truncated.where}) is cut short: the process died while writing it{also}"
     if t is None:
-        return "unknown", "rank has no trace file; whether it crashed, hung or never started is not in the records"
+        return "unknown", f"it has no trace file; whether it crashed, hung or never started is not in the records{also}"
     return "unknown", (
         "no surviving rank recorded a timeout or a lost connection naming it, so the traces cannot tell "
-        "whether it crashed or hung; check its exit status, or py-spy dump it if it is still alive"
+        f"whether it crashed or hung; check its exit status, or py-spy dump it if it is still alive{also}"
     )
 
 

@@ -1,8 +1,29 @@
-"""SHA256 of many tensors, in parallel.
+"""Tensor digests for verification: chunked SHA256, hashed on every host core.
 
-hashlib releases the GIL on buffers over 2 KiB, so a thread pool scales with
-host cores. Tensors are hashed in place through a zero-copy ctypes view; a
-device tensor is copied to host first.
+The digest of one tensor (``DIGEST_SCHEME``, "chunked-sha256/v1"):
+
+1. ``B``: the tensor's bytes in its own dtype, row-major (as ``.contiguous()``
+   lays them out);
+2. cut ``B`` into chunks of ``CHUNK_BYTES`` (4 MiB); the last chunk may be
+   shorter, and an empty tensor has no chunk;
+3. ``digest = SHA256(SCHEME_TAG || u64le(CHUNK_BYTES) || u64le(len(B)) ||
+   SHA256(chunk_0) || SHA256(chunk_1) || ...)``, as hex.
+
+A single SHA256 over a tensor is sequential, so one 400 MB embedding would
+take one core a fifth of a second. The chunk digests are independent, so a
+thread pool computes them in parallel (hashlib releases the GIL on buffers
+over 2 KiB), and the root ties them back together: any changed byte changes
+its chunk's digest and so the root. The definition is the same for host and
+device tensors; only how the bytes reach the hashers differs:
+
+- host tensors are hashed in place (zero-copy views);
+- CUDA tensors stream through a small ring of persistent pinned staging
+  slots: a copy stream moves one slot device-to-host while the hashers work
+  on the slots already landed, so the copy and the hashing overlap and no
+  pinned memory is allocated per call.
+
+A digest only has to equal itself across an offload/wake cycle: it is never
+compared with ``sha256sum`` of a file.
 """
 
 from __future__ import annotations
@@ -10,46 +31,283 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import queue
+import struct
+import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from miles_fsm.errors import MemoryReleasedError
 
-__all__ = ["digest_tensors", "tensor_sha256"]
+__all__ = [
+    "CHUNK_BYTES",
+    "DIGEST_SCHEME",
+    "StagingRing",
+    "default_threads",
+    "digest_tensors",
+    "tensor_digest",
+    "tensor_sha256",
+]
 
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """SHA256 of a tensor's bytes, in its own dtype and row-major order.
-
-    Raises ``MemoryReleasedError`` for a CPU tensor whose storage was released
-    (a paused region): hashing it through a raw pointer would read freed memory.
-    """
-    t = t.detach()
-    if t.device.type == "cpu" and t.numel():
-        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        needed = (t.storage_offset() + extent) * t.element_size()
-        if t.untyped_storage().nbytes() < needed:
-            raise MemoryReleasedError(owner="verification", op="hash a tensor", tags=(), reason="its storage is released")
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.contiguous()
-    nbytes = t.numel() * t.element_size()
-    h = hashlib.sha256()
-    if nbytes:
-        h.update((ctypes.c_char * nbytes).from_address(t.data_ptr()))
-    return h.hexdigest()
+DIGEST_SCHEME = "chunked-sha256/v1"
+#: The chunk size is part of the definition: change it and every digest changes.
+CHUNK_BYTES = 4 << 20
+_TAG = b"miles-fsm chunked-sha256 v1\x00"
+#: Below this many bytes in all, hashing inline beats starting a thread pool.
+_INLINE_BYTES = 8 << 20
+_ALIGN = 512
 
 
 def default_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
+def _root(nbytes: int, leaves: list[bytes]) -> str:
+    return hashlib.sha256(_TAG + struct.pack("<QQ", CHUNK_BYTES, nbytes) + b"".join(leaves)).hexdigest()
+
+
+def _n_chunks(nbytes: int) -> int:
+    return -(-nbytes // CHUNK_BYTES)
+
+
+def _check_resident(t: torch.Tensor) -> None:
+    """A CPU tensor whose storage was released (a paused region) must not be read through a pointer."""
+    if t.device.type == "cpu" and t.numel():
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        needed = (t.storage_offset() + extent) * t.element_size()
+        if t.untyped_storage().nbytes() < needed:
+            raise MemoryReleasedError(owner="verification", op="hash a tensor", tags=(), reason="its storage is released")
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a zero-copy view (copied only when not contiguous).
+
+    Through ctypes, not ``.numpy()``: numpy marks the storage non-resizable,
+    and a paused region's storage must stay resizable.
+    """
+    flat = t.detach().contiguous().reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    arr = (ctypes.c_char * nbytes).from_address(flat.data_ptr())
+    arr._keep = flat  # type: ignore[attr-defined]  # the view must not outlive the bytes
+    return memoryview(arr).cast("B")
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """The chunked SHA256 of one tensor, on this thread (see the module docstring)."""
+    _check_resident(t)
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    view = _host_bytes(t)
+    n = len(view)
+    leaves = [hashlib.sha256(view[a : a + CHUNK_BYTES]).digest() for a in range(0, n, CHUNK_BYTES)]
+    return _root(n, leaves)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """Plain SHA256 of a tensor's bytes (one sequential hash; kept for callers that need exactly that)."""
+    _check_resident(t)
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return hashlib.sha256(_host_bytes(t)).hexdigest()
+
+
 def digest_tensors(tensors: Mapping[str, torch.Tensor], *, threads: int | None = None) -> dict[str, str]:
-    """SHA256 of each named tensor, hashed on ``threads`` threads."""
-    n = threads or default_threads()
-    if n == 1 or len(tensors) < 2:
-        return {name: tensor_sha256(t) for name, t in tensors.items()}
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="miles-fsm-sha") as pool:
-        return dict(zip(tensors.keys(), pool.map(tensor_sha256, tensors.values())))
+    """``tensor_digest`` of each named tensor; chunks are hashed on ``threads`` threads.
+
+    CUDA tensors go through the pinned staging ring of their device; host
+    tensors are hashed in place. The result keeps the mapping's order.
+    """
+    n_threads = threads or default_threads()
+    for t in tensors.values():
+        _check_resident(t)
+    names = list(tensors)
+    leaves: dict[str, list[bytes | None]] = {}
+    sizes: dict[str, int] = {}
+    by_device: dict[torch.device, list[str]] = {}
+    host: list[tuple[str, memoryview]] = []
+    for name in names:
+        t = tensors[name]
+        if t.device.type == "cuda":
+            by_device.setdefault(t.device, []).append(name)
+            sizes[name] = t.numel() * t.element_size()
+        else:
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            view = _host_bytes(t)
+            host.append((name, view))
+            sizes[name] = len(view)
+        leaves[name] = [None] * _n_chunks(sizes[name])
+    total = sum(sizes.values())
+    if n_threads == 1 or (total <= _INLINE_BYTES and not by_device):
+        for name, view in host:
+            leaves[name] = [hashlib.sha256(view[a : a + CHUNK_BYTES]).digest() for a in range(0, len(view), CHUNK_BYTES)]
+        for device, dev_names in by_device.items():
+            for name in dev_names:
+                leaves[name] = [hashlib.sha256(c).digest() for c in _chunks(_host_bytes(tensors[name].to("cpu")))]
+        return {name: _root(sizes[name], leaves[name]) for name in names}  # type: ignore[arg-type]
+    with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="miles-fsm-sha") as pool:
+        futures: list[Future[None]] = []
+        for name, view in host:
+            slots = leaves[name]
+            for i, a in enumerate(range(0, len(view), CHUNK_BYTES)):
+                futures.append(pool.submit(_leaf_into, slots, i, view[a : a + CHUNK_BYTES]))
+        for device, dev_names in by_device.items():
+            ring = StagingRing.for_device(device)
+            futures.extend(ring.stream({n: tensors[n] for n in dev_names}, leaves, pool))
+        for f in futures:
+            f.result()  # re-raises a hasher's error here
+    return {name: _root(sizes[name], leaves[name]) for name in names}  # type: ignore[arg-type]
+
+
+def _chunks(view: memoryview) -> list[memoryview]:
+    return [view[a : a + CHUNK_BYTES] for a in range(0, len(view), CHUNK_BYTES)]
+
+
+def _leaf_into(slots: list[bytes | None], i: int, data: memoryview) -> None:
+    slots[i] = hashlib.sha256(data).digest()
+
+
+class StagingRing:
+    """Persistent pinned staging slots on one CUDA device, filled by a copy stream.
+
+    One ring per device, allocated on first use and kept for the process
+    (``slots * slot_bytes`` pinned bytes, 512 MiB by default): verification
+    never allocates pinned memory per call. A lock makes concurrent callers
+    take turns.
+    """
+
+    _rings: dict[torch.device, "StagingRing"] = {}
+    _rings_lock = threading.Lock()
+
+    def __init__(self, device: torch.device, *, slots: int = 8, slot_bytes: int = 64 << 20) -> None:
+        if slot_bytes % CHUNK_BYTES:
+            raise ValueError(f"slot_bytes must be a multiple of {CHUNK_BYTES}, got {slot_bytes}")
+        self.device = device
+        self.slot_bytes = slot_bytes
+        # One power-of-two block: torch's pinned allocator rounds up to one anyway.
+        self._host = torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=True)
+        self._slots = [self._host[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slots)]
+        self._stream = torch.cuda.Stream(device=device)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "StagingRing":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        with cls._rings_lock:
+            ring = cls._rings.get(device)
+            if ring is None:
+                ring = cls._rings[device] = cls(device)
+            return ring
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._host.numel()
+
+    def stream(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        leaves: dict[str, list[bytes | None]],
+        pool: ThreadPoolExecutor,
+    ) -> list[Future[None]]:
+        """Copy ``tensors`` through the ring and hash each chunk into ``leaves`` on ``pool``.
+
+        Pieces of several tensors share a slot; a tensor larger than what is
+        left of a slot is split at a chunk boundary, so every chunk lands
+        whole in one slot. Returns when every copy is issued and every chunk
+        is queued; the caller waits on the futures.
+        """
+        with self._lock:
+            return self._stream_locked(tensors, leaves, pool)
+
+    def _stream_locked(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        leaves: dict[str, list[bytes | None]],
+        pool: ThreadPoolExecutor,
+    ) -> list[Future[None]]:
+        free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(len(self._slots)):
+            free.put(i)
+        futures: list[Future[None]] = []
+        # Everything queued on the current stream (the training step) must land first.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        sources = {n: t.detach().contiguous().reshape(-1).view(torch.uint8) for n, t in tensors.items() if t.numel()}
+        slot, used, pieces = -1, 0, []  # pieces: (name, first chunk index, offset in slot, nbytes)
+
+        def flush() -> None:
+            nonlocal slot, used, pieces
+            if slot < 0 or not pieces:
+                return
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            jobs = [
+                (name, first + k, off + k * CHUNK_BYTES, min(CHUNK_BYTES, nbytes - k * CHUNK_BYTES))
+                for name, first, off, nbytes in pieces
+                for k in range(_n_chunks(nbytes))
+            ]
+            countdown = _Countdown(len(jobs), lambda s=slot: free.put(s))
+            buf = self._slots[slot]
+            for name, index, off, n in jobs:
+                futures.append(pool.submit(_hash_staged, event, buf, off, n, leaves[name], index, countdown))
+            slot, used, pieces = -1, 0, []
+
+        with torch.cuda.device(self.device):
+            for name, src in sources.items():
+                done, total = 0, src.numel()
+                while done < total:
+                    if slot < 0:
+                        slot = free.get()  # blocks until the hashers release one
+                    room = self.slot_bytes - used
+                    take = total - done
+                    if take > room:
+                        take = room // CHUNK_BYTES * CHUNK_BYTES
+                        if take == 0:
+                            flush()
+                            continue
+                    with torch.cuda.stream(self._stream):
+                        self._slots[slot][used : used + take].copy_(src[done : done + take], non_blocking=True)
+                    pieces.append((name, done // CHUNK_BYTES, used, take))
+                    done += take
+                    used = -(-(used + take) // _ALIGN) * _ALIGN
+                    if used >= self.slot_bytes:
+                        flush()
+            flush()
+            # The sources may be temporaries (.contiguous()); keep them until the copies ran.
+            self._stream.synchronize()
+        return futures
+
+
+class _Countdown:
+    """Calls ``done`` once ``n`` jobs have finished (the slot is free again)."""
+
+    def __init__(self, n: int, done: object) -> None:
+        self._n = n
+        self._done = done
+        self._lock = threading.Lock()
+
+    def tick(self) -> None:
+        with self._lock:
+            self._n -= 1
+            last = self._n == 0
+        if last:
+            self._done()  # type: ignore[operator]
+
+
+def _hash_staged(
+    event: torch.cuda.Event,
+    buf: torch.Tensor,
+    off: int,
+    n: int,
+    slots: list[bytes | None],
+    index: int,
+    countdown: _Countdown,
+) -> None:
+    try:
+        event.synchronize()  # releases the GIL while the copy lands
+        slots[index] = hashlib.sha256(_host_bytes(buf[off : off + n])).digest()
+    finally:
+        countdown.tick()

@@ -179,6 +179,11 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         add((None, f"  {f['transition']} (epoch {f['epoch']}, transition #{f['position']}): they differ in {f['field']}"))
         for g in f["groups"]:
             add((None, f"    {_plural(g['ranks'])}: {_value(g['value'])}"))
+        if f["also_differ"]:
+            add(("dim", f"    also different: {', '.join(f['also_differ'])}"))
+        g = f.get("guard_report")
+        if g is not None:
+            add((None, f"    the guard caught it, on {g['field']}" + (f": {'; '.join(g['detail'])}" if g["detail"] else "")))
         if f["tie"]:
             add(("dim", "    the groups are the same size: which side is wrong is a guess"))
         if f["not_yet_at_guard"]:

@@ -43,7 +43,7 @@ __all__ = [
 
 _NAME = re.compile(r"^rank-(\d+)\.jsonl$")
 _ACTION = b'"event":"action_'
-_BLOCK = 1 << 22
+_BLOCK = 1 << 24
 
 #: Outcome codes of a position, one byte each.
 FINISHED, FAILED, CANCELLED, OPEN, UNCLOSED = b"F", b"X", b"C", b"O", b"U"
@@ -268,14 +268,14 @@ def _default_workers(paths: Iterable[Path]) -> int:
 
 
 def _blocks(path: Path) -> Iterable[tuple[list[bytes], bool]]:
-    """Lists of complete lines, block by block; then the incomplete last line, if any, as (\[line], False)."""
+    """(lines, True) block by block; then ([the incomplete last line], False) if there is one."""
     with open(path, "rb") as f:
         tail = b""
         while True:
             block = f.read(_BLOCK)
             if not block:
                 break
-            lines = (tail + block).split(b"\n")
+            lines = (tail + block if tail else block).split(b"\n")
             tail = lines.pop()
             yield lines, True
     if tail:
@@ -342,79 +342,52 @@ def read_rank(path: str | os.PathLike[str], rank: int, *, epochs: EpochRange | N
     return t
 
 
-class _Open:
-    """The transition being folded (not yet closed)."""
-
-    __slots__ = ("epoch", "trigger", "source", "dest", "steps", "line", "wall", "mono", "guard", "guard_s", "phase")
-
-    def __init__(self, rec: dict[str, Any], line: int) -> None:
-        self.epoch = rec.get("epoch")
-        self.trigger = rec.get("trigger")
-        self.source = rec.get("state")
-        self.dest = rec.get("dest")
-        steps = rec.get("steps")
-        self.steps = tuple(steps) if isinstance(steps, list) else ()
-        self.line = line
-        self.wall = rec.get("wall")
-        self.mono = rec.get("mono_ns")
-        self.guard: tuple[Any, ...] | None = None
-        self.guard_s = 0.0
-        self.phase = "planning"
-
-
 def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
+    # The hot loop keeps its state in locals: it runs once per line of every rank.
     loads = orjson.loads
     decode_error = orjson.JSONDecodeError
     action = _ACTION
+    nan = math.nan
     sig_ids: dict[tuple[Any, ...], int] = {}
-    guard_ids: dict[tuple[Any, ...], int] = {}
-    cur: _Open | None = None
+    guard_ids: dict[tuple[Any, ...], int] = {NO_GUARD: 0}
+    t.guard_table.append(NO_GUARD)
+    checked: dict[tuple[Any, ...], str | None] = {}
+    epochs_append, sigs_append, guards_append = t.epochs.append, t.sigs.append, t.guards.append
+    work_append, outcome = t.work_s.append, t.outcome
+    # The open transition: its line (0: none), sig id, guard id (-1: no guard record yet), phase.
+    cur_line = 0
+    cur_epoch = -1
+    cur_sig = 0
+    cur_guard = -1
+    cur_guard_s = 0.0
+    cur_phase = ""
+    cur_rec: dict[str, Any] = {}
     machine: str | None = DEFINITION.initial.value if epochs is None else None
     pending: str | None = None
     last_action_line = 0
-    last_action: bytes = b""
+    last_action = b""
     last_parsed_line = 0
     first_rec: dict[str, Any] | None = None
     last_rec: dict[str, Any] | None = None
     prev_seq = -1
-    records = 0
-    rank_seen: int | None = None
-    in_range = True
-    checked: dict[tuple[Any, ...], Any] = {}
+    skipped = 0
+    lineno = 0
 
     def close(code: bytes, work: float) -> None:
-        nonlocal cur
-        assert cur is not None
-        sig = (cur.trigger, cur.source, cur.dest, cur.steps)
-        i = sig_ids.get(sig)
-        if i is None:
-            i = sig_ids[sig] = len(t.sig_table)
-            t.sig_table.append(sig)
-        g = cur.guard
-        if g is None:
-            # No guard record: skipped (no collectives) once steps ran or the
-            # transition closed; unknown while it may still be planning.
-            g = NO_GUARD if code != OPEN or cur.phase != "planning" else None
-        if g is None:
-            gi = -1
-        else:
-            gi = guard_ids.get(g, -1)
-            if gi < 0:
-                gi = guard_ids[g] = len(t.guard_table)
-                t.guard_table.append(g)
-        t.epochs.append(cur.epoch if isinstance(cur.epoch, int) else -1)
-        t.sigs.append(i)
-        t.guards.append(gi)
-        t.work_s.append(work)
-        t.outcome += code
-        if code != OPEN:
-            cur = None
+        # No guard record: skipped (no collectives) once steps ran or the transition
+        # closed; unknown (-1) while it may still be planning.
+        g = cur_guard if cur_guard >= 0 or (code == OPEN and cur_phase == "planning") else 0
+        epochs_append(cur_epoch)
+        sigs_append(cur_sig)
+        guards_append(g)
+        work_append(work)
+        outcome.extend(code)
 
-    def illegal(line: int, rec: dict[str, Any], reason: str) -> None:
+    def illegal(line: int, rec: dict[str, Any], reason: str, position: int) -> None:
         t.illegal.append(
             Illegal(
                 rank=t.rank,
-                position=len(t.outcome) - (0 if cur is not None else 1),
+                position=position,
                 line=line,
                 seq=rec.get("seq"),
                 epoch=rec.get("epoch"),
@@ -424,20 +397,21 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
             )
         )
 
-    lineno = 0
     for lines, complete in _blocks(path):
         for line in lines:
             lineno += 1
-            if action in line and complete and line.endswith(b"}"):
-                records += 1
+            # Action records are most of a trace; only the last one is ever needed.
+            if complete and line.rfind(action) >= 0 and line[-1:] == b"}":
                 last_action_line = lineno
                 last_action = line
                 continue
-            if not line or line.isspace():
-                continue
             try:
                 rec = loads(line)
+                event = rec["event"]
             except decode_error as exc:
+                skipped += 1
+                if not line or line.isspace():
+                    continue
                 reason = "truncated last line" if not complete else f"not JSON ({str(exc).split(':')[0]})"
                 bad = BadLine(path=str(path), line=lineno, reason=reason, text=_preview(line))
                 if complete:
@@ -445,133 +419,142 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                 else:
                     t.truncated = bad
                 continue
-            if rec.__class__ is not dict or "event" not in rec:
+            except (KeyError, TypeError, IndexError):
+                skipped += 1
                 t.bad.append(BadLine(path=str(path), line=lineno, reason="not a trace record", text=_preview(line)))
                 continue
-            records += 1
             last_parsed_line = lineno
             last_rec = rec
-            if first_rec is None:
-                first_rec = rec
             seq = rec.get("seq")
             if seq.__class__ is int:
                 if seq <= prev_seq:
                     t.out_of_order += 1
                 else:
                     prev_seq = seq
-            event = rec["event"]
-            epoch = rec.get("epoch")
-            if epochs is not None:
-                in_range = epoch in epochs or event == "trace_opened"
-            if not in_range:
+            if epochs is not None and rec.get("epoch") not in epochs and event != "trace_opened":
                 continue
             if event == "transition_started":
-                if cur is not None:
-                    close(UNCLOSED, math.nan)
-                cur = _Open(rec, lineno)
-                trigger, source = cur.trigger, cur.source
+                if cur_line:
+                    close(UNCLOSED, nan)
+                trigger = rec.get("trigger")
+                source = rec.get("state")
+                dest = rec.get("dest")
+                steps = rec.get("steps")
+                sig = (trigger, source, dest, tuple(steps) if steps.__class__ is list else ())
+                cur_sig = sig_ids.get(sig, -1)
+                if cur_sig < 0:
+                    cur_sig = sig_ids[sig] = len(t.sig_table)
+                    t.sig_table.append(sig)
+                epoch = rec.get("epoch")
+                cur_epoch = epoch if epoch.__class__ is int else -1
+                cur_line, cur_guard, cur_guard_s, cur_phase, cur_rec = lineno, -1, 0.0, "planning", rec
                 if machine is None:
                     machine = source
-                key = (machine, trigger, source, cur.dest, cur.steps)
+                key = (machine, cur_sig)
                 verdict = checked.get(key, _UNCHECKED)
                 if verdict is _UNCHECKED:
-                    verdict = checked[key] = _check(machine, trigger, source, cur.dest, cur.steps, t.strategy)
+                    verdict = checked[key] = _check(machine, trigger, source, dest, sig[3], t.strategy)
                 if verdict is not None:
-                    illegal(lineno, rec, verdict)
-                legal = _LEGAL.get((machine or "", trigger or ""))
-                pending = legal[0] if legal is not None and machine == source else cur.dest
+                    illegal(lineno, rec, verdict, len(outcome))
+                legal = _LEGAL.get((machine, trigger))
+                pending = legal[0] if legal is not None and machine == source else dest
             elif event == "transition_finished":
-                if cur is None:
-                    illegal(lineno, rec, "transition_finished without transition_started")
-                else:
-                    d = rec.get("duration_s")
-                    work = d - cur.guard_s if isinstance(d, (int, float)) else math.nan
-                    close(FINISHED, work)
                 state = rec.get("state")
+                if cur_line:
+                    d = rec.get("duration_s")
+                    close(FINISHED, d - cur_guard_s if d.__class__ is float else nan)
+                    cur_line = 0
+                else:
+                    illegal(lineno, rec, "transition_finished without transition_started", len(outcome) - 1)
                 if pending is not None and state != pending:
-                    illegal(lineno, rec, f"finished in {state}, but the machine moves to {pending}")
+                    illegal(lineno, rec, f"finished in {state}, but the machine moves to {pending}", len(outcome) - 1)
                 machine = state
                 pending = None
             elif event == "guard_entered":
-                if cur is not None:
+                if cur_line:
                     cols = rec.get("collectives")
-                    cur.guard = (rec.get("key"), tuple(cols) if isinstance(cols, list) else (), rec.get("tensors"))
-                    cur.phase = "guard"
+                    g = (rec.get("key"), tuple(cols) if cols.__class__ is list else (), rec.get("tensors"))
+                    cur_guard = guard_ids.get(g, -1)
+                    if cur_guard < 0:
+                        cur_guard = guard_ids[g] = len(t.guard_table)
+                        t.guard_table.append(g)
+                    cur_phase = "guard"
             elif event == "guard_passed":
-                if cur is not None:
+                if cur_line:
                     d = rec.get("duration_s")
-                    cur.guard_s = d if isinstance(d, (int, float)) else 0.0
-                    cur.phase = "between steps"
+                    cur_guard_s = d if d.__class__ is float else 0.0
+                    cur_phase = "between steps"
             elif event == "verified":
                 t.verified += 1
-            elif event in ("transition_failed", "transition_cancelled"):
-                _note(t, cur, lineno, event, rec)
-                if cur is None:
-                    illegal(lineno, rec, f"{event} without transition_started")
+            elif event == "transition_failed" or event == "transition_cancelled":
+                _note(t, bool(cur_line), lineno, event, rec)
+                if cur_line:
+                    close(FAILED if event == "transition_failed" else CANCELLED, nan)
+                    cur_line = 0
                 else:
-                    close(FAILED if event == "transition_failed" else CANCELLED, math.nan)
+                    illegal(lineno, rec, f"{event} without transition_started", len(outcome) - 1)
                 if event == "transition_failed":
                     machine = State.FAILED.value
                 pending = None
             elif event in ("guard_failed", "verify_failed", "store_unreachable"):
-                _note(t, cur, lineno, event, rec)
+                _note(t, bool(cur_line), lineno, event, rec)
             elif event == "recovered":
-                _note(t, cur, lineno, event, rec)
+                _note(t, bool(cur_line), lineno, event, rec)
                 target = rec.get("state")
                 if machine not in (None, State.FAILED.value):
-                    illegal(lineno, rec, f"recovered from {machine}, but only FAILED can be recovered from")
+                    reason = f"recovered from {machine}, but only FAILED can be recovered from"
+                    illegal(lineno, rec, reason, len(outcome) - 1)
                 elif target not in _CYCLE:
-                    illegal(lineno, rec, f"recovered to {target}, which is not a cycle state")
+                    illegal(lineno, rec, f"recovered to {target}, which is not a cycle state", len(outcome) - 1)
                 machine = target
             elif event == "trace_opened":
                 t.opened += 1
                 if t.opened == 1:
                     t.meta = {k: v for k, v in rec.items() if k not in _COMMON}
-                rank_seen = rec.get("rank")
+                    first_rec = rec
+                if rec.get("rank") != t.rank:
+                    t.meta["rank_in_records"] = rec.get("rank")
             else:
                 t.unknown_events += 1
                 # Drivers and the demo may locate a fault themselves (a ``culprits`` list): keep it as evidence.
-                if isinstance(rec.get("culprits"), list) and rec["culprits"]:
-                    _note(t, cur, lineno, event, rec)
-    t.records = records
+                culprits = rec.get("culprits")
+                if culprits.__class__ is list and culprits:
+                    _note(t, bool(cur_line), lineno, event, rec)
+    t.records = lineno - skipped
     t.max_seq = prev_seq
-    if rank_seen is not None and rank_seen != t.rank:
-        t.meta["rank_in_records"] = rank_seen
-    if first_rec is not None:
-        _track_last(t, first_rec, 0)
+    if first_rec is not None or last_rec is not None:
+        _track_last(t, first_rec or last_rec, 0)
     if last_rec is not None:
         _track_last(t, last_rec, last_parsed_line)
     if last_action_line > last_parsed_line:
         _track_last(t, loads(last_action), last_action_line)
-    if cur is not None:
-        if last_action_line > cur.line:
+    if cur_line:
+        act = None
+        if last_action_line > cur_line:
             rec = loads(last_action)
-            if rec.get("event") == "action_started":
-                cur.phase, act = "step", rec.get("action")
-            else:
-                cur.phase, act = "between steps", rec.get("action")
-        else:
-            act = None
+            act = rec.get("action")
+            cur_phase = "step" if rec.get("event") == "action_started" else "between steps"
+        epoch = cur_rec.get("epoch")
         t.open = Position(
-            index=len(t.outcome),
-            epoch=cur.epoch if isinstance(cur.epoch, int) else -1,
-            trigger=str(cur.trigger),
-            source=str(cur.source),
-            phase=cur.phase,
+            index=len(outcome),
+            epoch=epoch if isinstance(epoch, int) else -1,
+            trigger=str(cur_rec.get("trigger")),
+            source=str(cur_rec.get("state")),
+            phase=cur_phase,
             action=act,
-            since_wall=cur.wall,
-            since_mono_ns=cur.mono,
+            since_wall=cur_rec.get("wall"),
+            since_mono_ns=cur_rec.get("mono_ns"),
         )
-        close(OPEN, math.nan)
+        close(OPEN, nan)
 
 
 _UNCHECKED = object()
 _COMMON = frozenset(("v", "rank", "world", "epoch", "seq", "mono_ns", "wall", "event", "state", "trigger"))
 
 
-def _note(t: RankTrace, cur: _Open | None, line: int, event: str, rec: dict[str, Any]) -> None:
+def _note(t: RankTrace, in_transition: bool, line: int, event: str, rec: dict[str, Any]) -> None:
     # The position a note belongs to: the open transition, else the last one.
-    index = len(t.outcome) if cur is not None else len(t.outcome) - 1
+    index = len(t.outcome) if in_transition else len(t.outcome) - 1
     t.notes.append(Note(position=index, line=line, event=event, record=rec))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -97,6 +98,9 @@ class Tracer:
         self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - owned until close()
         # A lifecycle dropped without close() still closes its trace quietly.
         self._finalizer = weakref.finalize(self, self._file.close)
+        # The async API writes from the event-loop thread too: one lock keeps
+        # the file's line order equal to seq order.
+        self._lock = threading.Lock()
         self._log = structlog.wrap_logger(
             structlog.BytesLogger(self._file),
             processors=[SequenceNumberer(), add_clocks, render_json],
@@ -116,7 +120,8 @@ class Tracer:
         )
 
     def emit(self, event: str, **fields: Any) -> None:
-        self._log.info(event, **fields)
+        with self._lock:
+            self._log.info(event, **fields)
 
     def close(self) -> None:
         self._finalizer()
