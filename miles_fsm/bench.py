@@ -302,6 +302,14 @@ def verification_bench(tensors: Mapping[str, Any], *, threads: int, sync: Any) -
     out["speedup_vs_naive"] = out["naive_per_tensor_s"] / best
     out["speedup_vs_threaded"] = out["threaded_per_tensor_s"] / best
     out["stable"] = runs["pipelined"][1] == runs["pipelined_again"][1]
+    # The pipelined (device) path must give the definition's digest, computed here on the host.
+    from miles_fsm.digest import tensor_digest
+
+    largest = max(tensors, key=lambda n: tensors[n].numel() * tensors[n].element_size())
+    sample = list(dict.fromkeys([*list(tensors)[:3], largest]))
+    out["matches_host_definition"] = all(
+        tensor_digest(tensors[n].detach().cpu()) == runs["pipelined"][1][n] for n in sample
+    )
     return out
 
 
@@ -364,14 +372,13 @@ def _cpu_rank(ctx: Any) -> dict[str, Any]:
             cyc["transitions"] = {
                 n: _transition_row(r, events.get((r.epoch, n), 0), cyc["memory_bytes"][n], limits) for n, r in rs.items()
             }
-            crossed_out = {n: cyc["transitions"][n]["bytes"] for n in _OFFLOAD}
-            crossed_out["offload"] -= 0  # backup(actor) + the saver's copy of `default`
+            restored = sum(s.bytes_moved or 0 for s in rs["rematerialize"].steps if s.name.startswith("restore"))
             cyc["crossed"] = {
+                # Offload: backup(actor) and the saver's copy of `default`.
                 "offload": cyc["transitions"]["offload"]["bytes"],
                 "pause": cyc["transitions"]["pause"]["bytes"],
-                # Wake: the saver's copy back and restore(actor); cast and param sync stay in memory / on gloo.
-                "rematerialize": cyc["transitions"]["rematerialize"]["memory_bytes"]
-                + (rs["rematerialize"].steps[-1].bytes_moved or 0),
+                # Wake: the saver's copy back and restore(actor); the cast stays in memory, the sync on gloo.
+                "rematerialize": cyc["transitions"]["rematerialize"]["memory_bytes"] + restored,
                 "sync": 0,
             }
             cyc["offload"] = _phase(cyc, _OFFLOAD, "crossed", limits["host_copy_GBps_per_rank"])
@@ -383,6 +390,8 @@ def _cpu_rank(ctx: Any) -> dict[str, Any]:
                 "saver_backup_while_paused": backed,
             },
             "state": lc.state.value,
+            "bf16_param_bytes": sum(t.numel() * t.element_size() for t in trainer.params.values()),
+            "tensor_bytes": sum(t.numel() * t.element_size() for t in trainer.tensors().values()),
         }
         if ctx.rank == 0 and strategy == kw["strategies"][0]:
             tensors = {**trainer.tensors()}
@@ -413,11 +422,7 @@ def run_cpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("CPU bench rank failed: " + "; ".join(
             f"rank {o.rank}: {o.error.traceback if o.error else o.exitcode}" for o in failed))
     r0 = outcomes[0].result
-    params = sum(
-        n for n in [model["vocab"] * model["dim"] * 2 + model["max_seq"] * model["dim"]
-                    + model["layers"] * (12 * model["dim"] ** 2 + 4 * model["dim"])]
-    )
-    return {"model": {**model, "params_approx": params, "ranks": 2}, "strategies": r0["strategies"],
+    return {"model": {**model, "ranks": 2}, "strategies": r0["strategies"],
             "verification": r0["verification"], "rank1_strategies": outcomes[1].result["strategies"]}
 
 
@@ -640,7 +645,6 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
             },
             "state": lc.state.value,
         }
-        out["verification_optimizer_state"] = None
     tensors = dict(driver.tensors())
     out["verification"] = verification_bench(tensors, threads=default_threads(), sync=torch.cuda.synchronize)
     opt = driver.optimizer_state()

@@ -17,6 +17,7 @@ __all__ = ["main"]
 #: Only the module of the subcommand being run is imported: a fast ``--help``,
 #: and one subcommand's heavy (or broken) imports never take the others down.
 _SUBCOMMANDS = {
+    "bench": "offload/wake and verification against the measured hardware limits, as one JSON file",
     "demo": "run the colocated RL loop on N local CPU ranks, with optional fault injection",
     "diagram": "print the lifecycle diagram (Markdown with Mermaid)",
     "replay": "diagnose a run from its per-rank traces (divergence, stuck, crashed, stragglers)",

@@ -311,7 +311,9 @@ def _corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]
             why = f"; {_plural(culprits)} saw a different set of mismatches than the others"
         else:
             culprits = failed
-            why = "" if len(failed) == 1 else "; every rank saw the same mismatch, so the traces do not say whose data was wrong"
+            why = ""
+            if len(failed) > 1:
+                why = "; every rank saw the same mismatch, so the traces do not say whose data was wrong"
     return _Problem(
         verdict=Verdict.CORRUPT,
         position=first_pos,
@@ -329,6 +331,13 @@ def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: dict[str
         reasons.append(f"no trace for {_plural(missing)}")
     if tp["lost_records"]:
         reasons.append(f"{sum(tp['lost_records'].values())} record(s) lost to damaged lines")
+    still_open = sorted(t.rank for t in traces if t.open is not None)
+    if still_open:
+        o = next(t.open for t in traces if t.open is not None)
+        reasons.append(
+            f"{_plural(still_open)} end inside a transition ({o.trigger}, epoch {o.epoch}) with no rank to blame: "
+            "the job was stopped from outside, or is still running"
+        )
     lengths = Counter(t.positions for t in traces)
     if len(lengths) > 1:
         most = lengths.most_common(1)[0][0]
@@ -565,7 +574,9 @@ def _step_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------ stopped ranks
 
 
-_PEER_LOST = re.compile(r"connection (?:closed|reset) by peer|remote worker crash|peer (?:lost|closed)|broken pipe", re.I)
+_PEER_LOST = re.compile(
+    r"connection (?:closed|reset) by peer|remote worker crash|peer (?:lost|closed)|broken pipe", re.I
+)
 _TIMED_OUT = re.compile(r"timed? ?out|timeout", re.I)
 
 
@@ -618,8 +629,7 @@ def _accusations(
     for (position, kind), fs in grouped.items():
         f = fs[0]
         by = sorted(x["rank"] for x in fs)
-        what = "lost a peer" if kind == "lost" else "timed out"
-        via = f"{f['action']} of {f['transition']} (epoch {f['epoch']}), where they {what}"
+        via = f"the collective of {f['action']} in {f['transition']} (epoch {f['epoch']})"
         for r, at in silent.items():
             if at <= position and r not in by:
                 accused[r].append({"kind": kind, "by": by, "position": position, "epoch": f["epoch"],
@@ -655,7 +665,9 @@ def _stopped(
     # Only accusations that could explain a stop: located faults alone name culprits of other kinds too.
     candidates = {r for r, acc in accused.items() if any(a["kind"] != "located" for a in acc)}
     open_elsewhere = [t for t in traces if t.open is not None and t.open.phase != "guard"]
-    everyone = len(open_elsewhere) == len(traces) and len({t.open.index for t in open_elsewhere}) == 1  # type: ignore[union-attr]
+    # Every rank stopped at the same point: the job was stopped from outside, nobody is to blame.
+    ends = {t.open.index for t in open_elsewhere if t.open is not None}
+    everyone = len(open_elsewhere) == len(traces) and len(ends) == 1
     for t in traces:
         if t.open is not None and t.open.phase != "guard" and not everyone:
             candidates.add(t.rank)
@@ -664,7 +676,10 @@ def _stopped(
     if waiting:
         candidates.update(missing)
     return [
-        _stopped_entry(r, by_rank.get(r), accused.get(r, []), sorted(w for w in waiting if w != r), traces, last_wall)
+        _stopped_entry(
+            r, by_rank.get(r), accused.get(r, []), sorted(w for w in waiting if w != r), traces, last_wall,
+            unread=r not in by_rank and r not in missing,
+        )
         for r in sorted(candidates)
     ]
 
@@ -676,13 +691,15 @@ def _stopped_entry(
     waiters: list[int],
     traces: Sequence[RankTrace],
     last_wall: float | None,
+    *,
+    unread: bool = False,
 ) -> dict[str, Any]:
     decisive = [a for a in acc if a["kind"] != "located"]
     at = min(decisive or acc, key=lambda a: a["position"]) if acc else None
     since = None if t is None else t.last_wall
     if t is None:
         state, epoch, position, transition = None, at["epoch"] if at else None, None, None
-        inside = "no trace at all"
+        inside = "its trace was not read (left out by --rank)" if unread else "no trace at all"
     elif t.open is not None:
         o = t.open
         state, epoch, position, transition = o.source, o.epoch, o.index, o.trigger
@@ -705,12 +722,12 @@ def _stopped_entry(
     how, evidence = _how(r, t, acc)
     verb = {"crashed": "crashed", "stuck": "is stuck", "unknown": "stopped"}[how]
     if t is None:
-        summary = f"rank {r} {verb}: it left no trace"
+        summary = f"rank {r} {verb}: " + ("its trace was not read (--rank)" if unread else "it left no trace")
     elif t.open is not None:
         summary = f"rank {r} {verb} in {inside} (epoch {epoch}, state {state})"
     else:
         summary = f"rank {r} {verb} in {state}, {inside} (epoch {epoch})"
-    if silent is not None:
+    if silent is not None and silent >= 0.1:
         summary += f"; silent for ~{silent:.1f} s before the last record of any rank"
     accusers = sorted({x for a in decisive for x in a["by"]})
     if accusers:
@@ -758,7 +775,7 @@ def _how(r: int, t: RankTrace | None, acc: list[dict[str, Any]]) -> tuple[str, s
     if t is not None and t.truncated is not None:
         return "crashed", f"its last line ({t.truncated.where}) is cut short: the process died while writing it{also}"
     if t is None:
-        return "unknown", f"it has no trace file; whether it crashed, hung or never started is not in the records{also}"
+        return "unknown", f"its trace is not here; whether it crashed, hung or never started is not in the records{also}"
     return "unknown", (
         "no surviving rank recorded a timeout or a lost connection naming it, so the traces cannot tell "
         f"whether it crashed or hung; check its exit status, or py-spy dump it if it is still alive{also}"

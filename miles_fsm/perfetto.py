@@ -132,7 +132,8 @@ def _export_rank(
 ) -> None:
     pid = t.rank
     host = t.meta.get("host")
-    emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {t.rank}" + (f" ({host})" if host else "")}})
+    label = f"rank {t.rank}" + (f" ({host})" if host else "")
+    emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}})
     emit({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": t.rank}})
     emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": STATE_TID, "args": {"name": "state"}})
     emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": TRANSITION_TID, "args": {"name": "transitions"}})

@@ -176,14 +176,16 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
     if d.first_divergence is not None:
         f = d.first_divergence
         add(("bold", "\nFirst divergence"))
-        add((None, f"  {f['transition']} (epoch {f['epoch']}, transition #{f['position']}): they differ in {f['field']}"))
+        where = f"{f['transition']} (epoch {f['epoch']}, transition #{f['position']})"
+        add((None, f"  {where}: they differ in {f['field']}"))
         for g in f["groups"]:
             add((None, f"    {_plural(g['ranks'])}: {_value(g['value'])}"))
         if f["also_differ"]:
             add(("dim", f"    also different: {', '.join(f['also_differ'])}"))
         g = f.get("guard_report")
         if g is not None:
-            add((None, f"    the guard caught it, on {g['field']}" + (f": {'; '.join(g['detail'])}" if g["detail"] else "")))
+            detail = f": {'; '.join(g['detail'])}" if g["detail"] else ""
+            add((None, f"    the guard caught it, on {g['field']}{detail}"))
         if f["tie"]:
             add(("dim", "    the groups are the same size: which side is wrong is a guess"))
         if f["not_yet_at_guard"]:
@@ -277,7 +279,12 @@ def _rank_key(r: dict[str, Any]) -> tuple[str]:
     text = f"{status}, {r['state']}, epoch {r['epoch']}, {r['transitions']} transitions"
     if "inside" in r:
         i = r["inside"]
-        text += f", inside {i['phase']} of {i['transition']}" + (f" ({i['action']})" if i["action"] else "")
+        text += {
+            "planning": f", inside {i['transition']} before its guard",
+            "guard": f", inside the guard of {i['transition']}",
+            "step": f", inside action {i['action']} of {i['transition']}",
+            "between steps": f", inside {i['transition']} after action {i['action']}",
+        }.get(i["phase"], f", inside {i['transition']}")
     if "error" in r:
         e = r["error"]
         text += f", {e['type']} in {e['action'] or 'guard'} of {e['transition']}"

@@ -420,6 +420,18 @@ def test_without_evidence_crashed_or_stuck_is_said_to_be_unknown(tmp_path, capsy
     assert s["waited_on_by"] == [1, 2]
 
 
+def test_every_rank_cut_off_at_once_is_incomplete_not_blamed(tmp_path, capsys):
+    """All ranks end inside the same action (the job was killed from outside): incomplete, no culprit."""
+    for r in range(3):
+        w = RankWriter(r, 3)
+        w.cycles(1)
+        w.transition("offload", stop="backup(actor)")
+        w.write(tmp_path)
+    code, d = as_json(capsys, str(tmp_path))
+    assert (code, d["verdict"], d["culprit"], d["stuck"]) == (3, "incomplete", None, [])
+    assert "stopped from outside" in d["headline"]
+
+
 def test_truncated_tail_means_the_process_died_writing(tmp_path, capsys):
     """With no survivor evidence, a cut-short last line is what tells crashed from stuck."""
     for r in range(2):
@@ -427,7 +439,7 @@ def test_truncated_tail_means_the_process_died_writing(tmp_path, capsys):
         w.cycles(1)
         w.transition("offload")
         if r == 1:
-            w.transition("pause", stop="push_weights" if False else "engine.push_weights")
+            w.transition("pause", stop="engine.push_weights")
             w.write(tmp_path, tail=b'{"v":1,"rank":1,"wor')
         else:
             w.transition("pause"), w.transition("rematerialize"), w.transition("sync", stop="guard")
