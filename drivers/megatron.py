@@ -208,6 +208,7 @@ class MegatronTrainer:
         # Shared between drivers when given (one set of pinned buffers per process).
         self._host = host if host is not None else HostCopies(config=PinnedConfig(pin=self._config.pin_memory))
         self._weight_tags: set[str] = set()
+        self._optimizer_views: tuple[list[tuple[int, int]], dict[str, torch.Tensor], list[torch.Tensor]] | None = None
         self._paused: set[str] = set()
         self._check_megatron_agrees()
         if self.strategy is Strategy.REMATERIALIZE:
@@ -427,7 +428,10 @@ class MegatronTrainer:
             self._memory.resume(tag)
         self._paused.discard(tag)
         if self._offloads_optimizer(tag):
-            self._host.load(OPTIMIZER_KEY, self.optimizer_state())
+            # Queued, not awaited: the current stream waits for the loads, so the
+            # cast and everything after it are ordered behind them, while the
+            # host goes on with the transition's other steps.
+            self._host.load(OPTIMIZER_KEY, self.optimizer_state(), wait=False)
 
     def _offloads_optimizer(self, tag: str) -> bool:
         return tag == _OPTIMIZER_TAG and self._config.optimizer_offload == "driver"
@@ -443,21 +447,37 @@ class MegatronTrainer:
         main grads, fp32 params' shards) are left out: those tags are
         rebuilt, not restored. Only storages on the buffers' device count.
         """
+        sources = self._optimizer_sources()
+        # The walk is cheap; building the byte views is not (~10 us each, a thousand
+        # of them): reuse them while every source is the same tensor at the same address.
+        key = [(id(t), t.data_ptr()) for _, t in sources]
+        cached = self._optimizer_views
+        if cached is not None and cached[0] == key:
+            return dict(cached[1])
         device = self._buffer_device()
         skip = self._ddp_storages()
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
-
-        def add(name: str, t: Any) -> None:
-            if not isinstance(t, torch.Tensor) or t.device != device:
-                return
+        for name, t in sources:
+            if t.device != device:
+                continue
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr in seen or ptr in skip or storage.nbytes() == 0:
-                return
+                continue
             seen.add(ptr)
             flat = torch.empty(0, dtype=torch.uint8, device=device)
             out[name] = flat.set_(storage, 0, (storage.nbytes(),), (1,))
+        self._optimizer_views = (key, out, [t for _, t in sources])  # the sources stay alive: ids stay unique
+        return dict(out)
+
+    def _optimizer_sources(self) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor the optimizer objects reference, named, in a fixed order."""
+        out: list[tuple[str, torch.Tensor]] = []
+
+        def add(name: str, t: Any) -> None:
+            if isinstance(t, torch.Tensor):
+                out.append((name, t))
 
         for k, opt in enumerate(self._inner):
             for attr in ("shard_fp32_from_float16_groups", "shard_fp32_groups"):

@@ -73,6 +73,9 @@ class Transfer:
     seconds: float
     #: Seconds spent allocating (and pinning) a new host buffer; 0 when one was reused.
     alloc_s: float = 0.0
+    #: False for a load that returned once its copies were queued (``wait=False``):
+    #: ``seconds`` is then the time to issue them, not to land them.
+    waited: bool = True
 
     @property
     def gbps(self) -> float:
@@ -158,8 +161,16 @@ class HostCopies:
         self._copy(pairs)
         return self._logged(key, "save", slot.nbytes, time.perf_counter() - t0, alloc_s)
 
-    def load(self, key: str, tensors: Mapping[str, torch.Tensor]) -> Transfer:
-        """Copy ``key``'s held bytes back into ``tensors`` (every held name must be there)."""
+    def load(self, key: str, tensors: Mapping[str, torch.Tensor], *, wait: bool = True) -> Transfer:
+        """Copy ``key``'s held bytes back into ``tensors`` (every held name must be there).
+
+        ``wait=False`` (CUDA): return once the copies are queued. The current
+        stream is made to wait for them, so every later kernel or copy issued
+        on it (the cast, the param sync, the next step, a digest) sees the
+        loaded bytes; only the host does not wait. The host buffer is
+        written again by the next ``save`` only, which the copy streams order
+        after these loads.
+        """
         t0 = time.perf_counter()
         slot = self._slot(key)
         missing = sorted(set(slot.views) - set(tensors))
@@ -177,8 +188,8 @@ class HostCopies:
                     "HostCopies.load",
                 )
             pairs.append((live.detach(), host))
-        self._copy(pairs)
-        return self._logged(key, "load", slot.nbytes, time.perf_counter() - t0, 0.0)
+        waited = self._copy(pairs, wait=wait)
+        return self._logged(key, "load", slot.nbytes, time.perf_counter() - t0, 0.0, waited)
 
     def drop(self, key: str) -> None:
         """Free ``key``'s buffer (unregistering it first)."""
@@ -197,8 +208,10 @@ class HostCopies:
             raise HostCopyMissingError(tag=key, held=list(self._slots))
         return self._slots[key]
 
-    def _logged(self, key: str, op: str, nbytes: int, seconds: float, alloc_s: float) -> Transfer:
-        rec = Transfer(key, op, nbytes, seconds, alloc_s)
+    def _logged(
+        self, key: str, op: str, nbytes: int, seconds: float, alloc_s: float, waited: bool = True
+    ) -> Transfer:
+        rec = Transfer(key, op, nbytes, seconds, alloc_s, waited)
         self.log.append(rec)
         return rec
 
@@ -220,16 +233,18 @@ class HostCopies:
             views[name] = buffer[a:b].view(dtype).view(shape) if b > a else torch.empty(shape, dtype=dtype)
         return _Slot(layout, buffer, views, offsets, pinned=pin, registered=registered, finalizer=finalizer)
 
-    def _copy(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *, wait: bool = True) -> bool:
+        """Run the copies; returns whether the host waited for all of them."""
         pairs = list(pairs)
         cuda = [(d, s) for d, s in pairs if d.is_cuda or s.is_cuda]
         for dst, src in pairs:
             if not (dst.is_cuda or src.is_cuda):
                 dst.copy_(src)
         if cuda:
-            self._copy_cuda(cuda)
+            self._copy_cuda(cuda, wait=wait)
+        return wait or not cuda
 
-    def _copy_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _copy_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, wait: bool) -> None:
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in pairs:
             by_device.setdefault(dst.device if dst.is_cuda else src.device, []).append((dst, src))
@@ -252,11 +267,12 @@ class HostCopies:
                         with torch.cuda.stream(streams[i % len(streams)]):
                             d[a : a + chunk].copy_(s_[a : a + chunk], non_blocking=True)
                         i += 1
-            for s in streams:
-                s.synchronize()
             # Later work on the current stream sees the copied bytes.
             for s in streams:
                 current.wait_stream(s)
+            if wait:
+                for s in streams:
+                    s.synchronize()
 
     def _device_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
         if device not in self._streams:

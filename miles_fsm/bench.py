@@ -233,9 +233,13 @@ def _transition_row(r: Any, events: int, moved_extra: int, limits: Mapping[str, 
     }
 
 
-def _phase(cycle: Mapping[str, Any], names: Sequence[str], cross: str, limit_GBps: float | None) -> dict[str, Any]:
+def _phase(
+    cycle: Mapping[str, Any], names: Sequence[str], cross: str, limit_GBps: float | None, wall_s: float | None = None
+) -> dict[str, Any]:
+    """One phase (offload or wake) of a cycle. ``wall_s``: measured until the device finished
+    (else the transitions' own times); verification steps are taken out for the data path."""
     rows = [cycle["transitions"][n] for n in names]
-    s = sum(r["s"] for r in rows)
+    s = wall_s if wall_s is not None else sum(r["s"] for r in rows)
     data_s = s - sum(r["verify_s"] for r in rows)
     nbytes = sum(cycle[cross][n] for n in names)
     gbps = nbytes / data_s / 1e9 if data_s > 0 else None
@@ -550,6 +554,27 @@ def _gpu_train_step(state: dict[str, Any], *, step: int) -> float:
     return float(loss.detach())
 
 
+class _TimedMemory:
+    """The saver the driver pauses and resumes through, timing each call (no extra synchronization)."""
+
+    def __init__(self, saver: Any) -> None:
+        self._saver = saver
+        self.events: list[dict[str, Any]] = []
+
+    def pause(self, tag: str) -> None:
+        t0 = time.perf_counter()
+        self._saver.pause(tag)
+        self.events.append({"op": "pause", "tag": tag, "s": time.perf_counter() - t0})
+
+    def resume(self, tag: str) -> None:
+        t0 = time.perf_counter()
+        self._saver.resume(tag)
+        self.events.append({"op": "resume", "tag": tag, "s": time.perf_counter() - t0})
+
+    def resident_bytes(self, tags: Any = None) -> int:
+        return self._saver.resident_bytes(tags)
+
+
 def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
     import socket
 
@@ -581,7 +606,8 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
         config = MegatronDriverConfig.from_megatron(
             chunks, optimizer, strategy=strategy, ci=False, verify_cycles=args.verified, optimizer_offload="driver"
         )
-        driver = MegatronTrainer(chunks=chunks, optimizer=optimizer, config=config, memory=saver, host=host)
+        timed = _TimedMemory(saver)
+        driver = MegatronTrainer(chunks=chunks, optimizer=optimizer, config=config, memory=timed, host=host)
         trace_dir = Path(tempfile.mkdtemp(prefix="miles-fsm-bench-trace-"))
         lc = Lifecycle(trainer=driver, config=LifecycleConfig(guard=GuardConfig(timeout_s=600), verify=config.verify,
                                                               trace_dir=trace_dir))
@@ -593,10 +619,18 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
             check = c < args.verified
             opt_before = digest_tensors(driver.optimizer_state()) if check else None
             free_training, _ = torch.cuda.mem_get_info()
-            rs, moved, free_paused = {}, {}, None
+            rs, moved, free_paused, marks = {}, {}, None, {}
+            log_mark, mem_mark = len(host.log), len(timed.events)
+            torch.cuda.synchronize()
             for name in _CYCLE:
                 mark = len(host.log)
+                marks[name] = time.perf_counter()
                 rs[name] = lc.fire(name)
+                if name in ("pause", "sync"):
+                    # Offload and wake end when the device is done: the wake's loads are
+                    # queued, not awaited, by the driver.
+                    torch.cuda.synchronize()
+                    marks[name + "_done"] = time.perf_counter()
                 moved[name] = {"save": 0, "load": 0, "memory_save": 0, "memory_load": 0}
                 for rec in host.log[mark:]:
                     moved[name][rec.op] += rec.nbytes
@@ -615,6 +649,14 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                     "freed_in_paused_bytes": (free_paused or 0) - free_training,
                     "moved": moved,
                     "alloc_s": sum(rec.alloc_s for rec in host.log if rec.key in ("actor", OPTIMIZER_KEY)),
+                    "offload_wall_s": marks["pause_done"] - marks["offload"],
+                    "wake_wall_s": marks["sync_done"] - marks["rematerialize"],
+                    "transfers": [
+                        {"key": r.key, "op": r.op, "bytes": r.nbytes, "s": r.seconds, "alloc_s": r.alloc_s,
+                         "waited": r.waited, "GBps": r.gbps if r.waited else None}
+                        for r in host.log[log_mark:]
+                    ],
+                    "memory_calls": timed.events[mem_mark:],
                 }
             )
             print(f"[{strategy}] cycle {c + 1}: " + " ".join(f"{n}={rs[n].duration_s * 1e3:.0f}ms" for n in _CYCLE)
@@ -630,8 +672,8 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
             # What crosses PCIe: every save (D2H) in the offload, every load (H2D) in the wake.
             cyc["crossed_d2h"] = {n: mv[n]["save"] for n in _CYCLE}
             cyc["crossed_h2d"] = {n: mv[n]["load"] for n in _CYCLE}
-            cyc["offload"] = _phase(cyc, _OFFLOAD, "crossed_d2h", limits["pinned"]["d2h_GBps"])
-            cyc["wake"] = _phase(cyc, _WAKE, "crossed_h2d", limits["pinned"]["h2d_GBps"])
+            cyc["offload"] = _phase(cyc, _OFFLOAD, "crossed_d2h", limits["pinned"]["d2h_GBps"], cyc["offload_wall_s"])
+            cyc["wake"] = _phase(cyc, _WAKE, "crossed_h2d", limits["pinned"]["h2d_GBps"], cyc["wake_wall_s"])
         out["strategies"][strategy] = {
             "cycles": cycles,
             "all_exact": all(c["optimizer_state_exact"] in (True, None) for c in cycles),

@@ -11,8 +11,6 @@ state, by every rank that did.
 
 from __future__ import annotations
 
-import itertools
-import queue
 import threading
 import time
 from collections import defaultdict
@@ -39,6 +37,13 @@ __all__ = ["Guard"]
 _PREFIX = "miles_fsm/last/"
 _ARRIVED = "entered guard of"
 
+#: A rank that waits at a guard longer than this publishes its arrival to the
+#: store, so that if some rank never comes, every rank that did can be told
+#: apart from it. Guards that pass quickly, the normal case, never touch the
+#: store: a store round trip costs as much as the guard's all-reduce itself.
+_PUBLISH_AFTER_S = 0.02
+_POLL_S = 0.01
+
 #: After a peer is lost, how long to let the other survivors publish their
 #: arrival before naming who is missing. Short: they were all about to arrive.
 _ARRIVAL_GRACE_S = 2.0
@@ -64,6 +69,8 @@ class Guard:
         self._buf = torch.zeros(2, dtype=torch.int64)
         self._view = self._buf.numpy()  # element access through numpy costs ~0.1 us, torch's ~2 us
         self._publisher = _Publisher(store, f"{_PREFIX}{rank}") if world > 1 else None
+        #: The last guard every rank passed: where a rank that later goes missing was last seen.
+        self._last_passed: LastSeen | None = None
 
     @classmethod
     def solo(cls) -> "Guard":
@@ -95,9 +102,8 @@ class Guard:
         """Return when every rank holds the same intent; raise a GuardError otherwise."""
         if self.world == 1:
             return
-        # Published off the hot path: a store round trip costs about as much
-        # as the all-reduce itself, and the all-reduce releases the GIL.
-        self._publisher.post(_record(intent.epoch, intent.trigger, state, _ARRIVED))
+        arrival = _record(intent.epoch, intent.trigger, state, _ARRIVED)
+        self._publisher.arm(arrival)
         key = intent.key
         self._view[0] = key
         self._view[1] = -key
@@ -105,11 +111,16 @@ class Guard:
         try:
             dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group)
         except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
+            self._publisher.disarm()
             # Make sure our own arrival is in the store before judging others'.
-            self._publisher.set_now(_record(intent.epoch, intent.trigger, state, _ARRIVED))
+            self._publisher.set_now(arrival)
             raise self._missing_error(intent, exc, time.monotonic() - started) from exc
+        self._publisher.disarm()
         if self._view[0] != -self._view[1]:
             raise self._divergence(intent)
+        self._last_passed = LastSeen(
+            rank=-1, epoch=intent.epoch, trigger=intent.trigger, state=state, phase="passed guard of", wall=time.time()
+        )
 
     def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str) -> None:
         """Tell the store that this rank failed, so peers do not call it missing."""
@@ -148,7 +159,7 @@ class Guard:
             time.sleep(0.05)
         # Ranks that published a failure are not missing: they are failing with us.
         missing = [r for r in missing if seen[r] is None or not seen[r].phase.startswith("failed")]
-        last = {r: seen[r] for r in missing}
+        last = {r: self._best_sighting(r, seen[r]) for r in missing}
         if timed_out:
             return GuardTimeoutError(
                 epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=self.timeout_s
@@ -156,6 +167,16 @@ class Guard:
         return PeerLostError(
             epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0]
         )
+
+    def _best_sighting(self, rank: int, stored: LastSeen | None) -> LastSeen | None:
+        """The store's record if it is a failure; else the last guard all ranks passed together
+        (a rank publishes its arrival only when it waits, so the store can be stale)."""
+        if stored is not None and stored.phase.startswith("failed"):
+            return stored
+        if self._last_passed is not None:
+            p = self._last_passed
+            return LastSeen(rank=rank, epoch=p.epoch, trigger=p.trigger, state=p.state, phase=p.phase, wall=p.wall)
+        return stored
 
     def _divergence(self, intent: Intent) -> RankDivergenceError:
         gathered: list[Intent | None] = [None] * self.world
@@ -169,46 +190,47 @@ def _record(epoch: int, trigger: str, state: str, phase: str) -> bytes:
 
 
 class _Publisher:
-    """Writes this rank's latest whereabouts to the store from a daemon thread.
+    """Publishes this rank's arrival at a guard, but only once it has waited.
 
-    Only the newest record matters: a burst of posts costs one write, and a
-    background write never overwrites a newer ``set_now`` (the failure path's
-    synchronous write).
+    ``arm``/``disarm`` are plain attribute writes on the hot path. A daemon
+    thread polls every ``_POLL_S`` and writes an arrival still armed after
+    ``_PUBLISH_AFTER_S``. ``set_now`` writes synchronously, for failure paths.
     """
 
     def __init__(self, store: Any, key: str) -> None:
         self._store = store
         self._key = key
-        self._queue: queue.SimpleQueue[tuple[int, bytes]] = queue.SimpleQueue()
+        self._armed: tuple[float, bytes] | None = None
         self._lock = threading.Lock()
-        self._next = itertools.count(1).__next__
-        self._written = 0
         threading.Thread(target=self._run, name="miles-fsm-guard-publisher", daemon=True).start()
 
-    def post(self, record: bytes) -> None:
-        self._queue.put((self._next(), record))
+    def arm(self, record: bytes) -> None:
+        self._armed = (time.monotonic() + _PUBLISH_AFTER_S, record)
+
+    def disarm(self) -> None:
+        self._armed = None
 
     def set_now(self, record: bytes) -> None:
         with self._lock:
-            n = self._next()
             self._store.set(self._key, record)
-            self._written = n
 
     def _run(self) -> None:
+        published: tuple[float, bytes] | None = None
         while True:
-            n, record = self._queue.get()
-            while not self._queue.empty():
-                n, record = self._queue.get()
+            time.sleep(_POLL_S)
+            armed = self._armed
+            if armed is None or armed is published or time.monotonic() < armed[0]:
+                continue
             with self._lock:
-                if n < self._written:
+                if self._armed is not armed:  # the guard passed (or failed) meanwhile
                     continue
                 try:
-                    self._store.set(self._key, record)
+                    self._store.set(self._key, armed[1])
                 except RuntimeError:
                     # The store's host is gone; the guard's failure path reports
                     # that, and the trace keeps everything the store would have.
                     return
-                self._written = n
+                published = armed
 
 
 def explain_divergence(intents: "Sequence[Intent]") -> RankDivergenceError:

@@ -115,6 +115,12 @@ def rank_optimizer_offload(ctx):
         out["exact"].append(digest_tensors(driver.optimizer_state()) == before)
         out["allocations"].append(driver.host_copies.allocations)
     state = driver.optimizer_state()
+    # A replaced state tensor (as load_state_dict does) is seen, not served from the cached views.
+    inner = gpt.optimizer.chained_optimizers[0].optimizer
+    p0 = inner.param_groups[0]["params"][0]
+    old_ptr = state["opt0.state.0.0.exp_avg"].data_ptr()
+    inner.state[p0]["exp_avg"] = inner.state[p0]["exp_avg"].clone()
+    out["cache_refreshed"] = driver.optimizer_state()["opt0.state.0.0.exp_avg"].data_ptr() != old_ptr
     out["names"] = sorted({n.split(".")[1] for n in state})
     out["in_ddp_buffers"] = sum(t.untyped_storage().data_ptr() in buffers for t in state.values())
     out["held"] = driver.host_bytes(OPTIMIZER_KEY)
@@ -141,6 +147,7 @@ def test_megatron_driver_keeps_the_optimizer_state_itself(assert_no_leftovers):
     assert r["allocations"][0] == r["allocations"][1] >= 1
     assert {"shard_fp32_from_float16_groups", "state"} <= set(r["names"])
     assert r["in_ddp_buffers"] == 0
+    assert r["cache_refreshed"] is True
     assert r["held"] == r["held_key"] == r["state_bytes"] > 0
 
 
