@@ -52,10 +52,8 @@ from miles_fsm.states import State
 
 from miles_fsm.aio import AsyncLifecycle, StateChanges
 from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
-from miles_fsm.guard import Guard
 from miles_fsm.launch import RankContext, run_ranks
 from miles_fsm.lifecycle import Lifecycle
-from miles_fsm.plan import Intent
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,28 +125,9 @@ def _reward(tokens: torch.Tensor, prompt_len: int) -> float:
     return float((tokens[prompt_len:] % 2 == 0).sum())
 
 
-def _train(
-    trainer: ReferenceTrainer,
-    guard: Guard,
-    lc: Lifecycle,
-    rollouts: torch.Tensor,
-    rewards: torch.Tensor,
-    prompt_len: int,
-) -> float:
+def _train(trainer: ReferenceTrainer, lc: Lifecycle, rollouts: torch.Tensor, rewards: torch.Tensor, prompt_len: int) -> float:
     """The training step, behind the same consensus guard as the lifecycle's collectives."""
-    if guard.active:
-        guard.agree(
-            Intent(
-                epoch=lc.epoch,
-                trigger="train",
-                source=lc.state.value,
-                dest=lc.state.value,
-                strategy=trainer.strategy.value,
-                collectives=trainer.train_collectives(),
-                tensors=trainer.tensor_set(),
-            ),
-            state=lc.state.value,
-        )
+    lc.agree_on("train", trainer.train_collectives())
     return trainer.train_step(rollouts, rewards - rewards.mean(), prompt_len=prompt_len)
 
 
@@ -158,11 +137,9 @@ async def rl_loop(cfg: LoopConfig, *, rank: int = 0) -> dict[str, Any]:
     saver = CpuMemorySaver()  # trainer and engine share one "device", as on a GPU
     trainer = ReferenceTrainer(config=TrainerConfig(model=model), saver=saver)
     engine = ReferenceEngine(config=EngineConfig(model=model, max_batch=cfg.max_batch), saver=saver)
-    guard = Guard.from_default_group(timeout_s=cfg.guard_timeout_s)
     lc = Lifecycle(
         trainer=trainer,
         engine=engine,
-        guard=guard,
         config=LifecycleConfig(
             guard=GuardConfig(timeout_s=cfg.guard_timeout_s),
             verify=VerifyConfig(cycles=None),  # every cycle bit-exact
@@ -224,7 +201,7 @@ async def rl_loop(cfg: LoopConfig, *, rank: int = 0) -> dict[str, Any]:
                 rollouts = torch.stack(out["tokens"])
                 rewards = torch.tensor(out["rewards"], dtype=torch.float32)
                 loss = await anyio.to_thread.run_sync(
-                    functools.partial(_train, trainer, guard, lc, rollouts, rewards, cfg.prompt_len)
+                    functools.partial(_train, trainer, lc, rollouts, rewards, cfg.prompt_len)
                 )
                 steps.append(
                     {

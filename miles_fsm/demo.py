@@ -257,7 +257,7 @@ def _rank_main(ctx: RankContext) -> dict[str, Any]:
                     timed(name, lambda t=trig: lc.fire(t))
                 verified.append(lc.epoch)
                 where = "train"
-                loss = timed("train", lambda: _guarded_train(guard, lc, trainer, rollouts, kw["prompt_len"]))
+                loss = timed("train", lambda: _guarded_train(lc, trainer, rollouts, kw["prompt_len"]))
                 lc.tracer.emit("demo_step", epoch=lc.epoch, state=lc.state.value, trigger=None, step=step, loss=loss)
         except Exception as exc:  # re-raised below, with the culprit named when the evidence allows
             if lc.state is not State.FAILED and world > 1:  # the lifecycle publishes its own failures
@@ -283,21 +283,9 @@ def _hang_forever() -> None:
     threading.Event().wait()
 
 
-def _guarded_train(guard: Any, lc: Any, trainer: Any, rollouts: Any, prompt_len: int) -> float:
+def _guarded_train(lc: Any, trainer: Any, rollouts: Any, prompt_len: int) -> float:
     """The train step behind the consensus guard: its collectives are agreed on first."""
-    from miles_fsm.plan import Intent
-
-    intent = Intent(
-        epoch=lc.epoch,
-        trigger="train",
-        source=lc.state.value,
-        dest=lc.state.value,
-        strategy=trainer.strategy.value,
-        collectives=trainer.train_collectives(),
-        tensors=trainer.tensor_set(),
-    )
-    if guard.active:
-        guard.agree(intent, state=lc.state.value)
+    lc.agree_on("train", trainer.train_collectives())
     reward = (rollouts[:, prompt_len:] % 2 == 0).float().sum(dim=1)
     return trainer.train_step(rollouts, reward - reward.mean(), prompt_len=prompt_len)
 

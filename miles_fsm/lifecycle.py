@@ -42,7 +42,7 @@ from miles_fsm.tracing import NullTracer, Tracer, TraceSink
 
 if TYPE_CHECKING:
     from miles_fsm.drivers.protocols import EngineDriver, StepReport, TrainerDriver
-    from miles_fsm.plan import Intent
+    from miles_fsm.plan import Collective, Intent
 
 __all__ = ["Failure", "InFlight", "Lifecycle", "Snapshot", "StepResult", "TransitionResult"]
 
@@ -268,6 +268,44 @@ class Lifecycle:
         trigger = Trigger(trigger)
         with self._lock:
             return self._fire(trigger, before_guard)
+
+    def agree_on(self, step: str, collectives: tuple[Collective, ...]) -> float:
+        """Guard a step outside the lifecycle (a train step) whose collectives are known.
+
+        Every rank must call it with the same ``step``; ranks that plan other
+        collectives, or hold another tensor set, raise ``RankDivergenceError``
+        before any of them runs, and a rank that never comes is named by
+        ``GuardTimeoutError``. The state does not change, also on failure: the
+        caller decides what a failed step means. Returns the guard's seconds.
+        """
+        with self._lock:
+            state = self.state.value
+            if not (collectives and self._guard.active):
+                return 0.0
+            from miles_fsm.plan import Intent
+
+            intent = Intent(
+                epoch=self._epoch,
+                trigger=step,
+                source=state,
+                dest=state,
+                strategy=self._trainer.strategy.value,
+                collectives=tuple(collectives),
+                tensors=self._trainer.tensor_set(),
+            )
+            base = {"epoch": self._epoch, "trigger": step, "state": state}
+            emit = self._tracer.emit
+            emit("guard_entered", key=intent.key, collectives=[str(c) for c in collectives], tensors=intent.tensors.digest, **base)
+            t0 = time.perf_counter()
+            try:
+                self._guard.agree(intent, state=state)
+            except BaseException as exc:
+                extra = {k: getattr(exc, k) for k in ("missing", "culprits", "field", "groups") if hasattr(exc, k)}
+                emit("guard_failed", **extra, **describe(exc), **base)
+                raise
+            seconds = time.perf_counter() - t0
+            emit("guard_passed", duration_s=seconds, **base)
+            return seconds
 
     def _fire(self, trigger: Trigger, before_guard: Callable[[], None] | None) -> TransitionResult:
         source = self.state
