@@ -94,3 +94,17 @@ def illegal(ctx: RankContext) -> dict[str, Any]:
     except TransitionNotAllowed as exc:
         return {"state": lc.state.value, "exc_state": exc.state, "trigger": exc.trigger, "same_calls": calls == trainer.calls}
     return {"state": lc.state.value, "exc_state": None}
+
+
+def train_guard(ctx: RankContext) -> dict[str, Any]:
+    """Guard a train step whose all-reduce size differs on one rank; report the outcome."""
+    from miles_fsm import Collective, RankDivergenceError
+
+    lc, _ = build(ctx)
+    lc.start()
+    numel = 1000 + (1 if ctx.rank == ctx.kwargs.get("odd_rank") else 0)
+    try:
+        lc.agree_on("train", (Collective("reduce_scatter", "dp", "float32", numel),))
+    except RankDivergenceError as exc:
+        return {"error": "RankDivergenceError", "field": exc.field, "culprits": exc.culprits, "state": lc.state.value}
+    return {"error": None, "state": lc.state.value}

@@ -98,3 +98,14 @@ def test_double_pause_is_refused(assert_no_leftovers):
     for o in out:
         assert o.ok, o.error
         assert o.result == {"error": "MemoryTagError", "tag": "default", "new_calls": []}
+
+
+def test_train_step_guard_catches_a_different_collective_plan(assert_no_leftovers):
+    """Lifecycle.agree_on guards a step outside the lifecycle: a rank planning another
+    reduce-scatter size is named on every rank, and the state stays TRAINING."""
+    out = run_ranks(ranks_engine.train_guard, 3, timeout_s=60, kwargs={"odd_rank": 0})
+    for o in out:
+        assert o.ok, o.error
+        assert o.result == {"error": "RankDivergenceError", "field": "collective plan", "culprits": (0,), "state": "TRAINING"}
+    agreeing = run_ranks(ranks_engine.train_guard, 2, timeout_s=60)
+    assert [o.result for o in agreeing] == [{"error": None, "state": "TRAINING"}] * 2
