@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import socket
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -307,4 +308,9 @@ def _version(dist_name: str) -> str | None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # torch_memory_saver's torch hook exits 1 when the interpreter frees region tensors
+    # at shutdown ("only support interesting region", gpu-facts); the JSON is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -507,7 +507,7 @@ def _build_gpt(args: argparse.Namespace, saver: Any) -> dict[str, Any]:
         from megatron.core.transformer import TransformerConfig
         from megatron.core.transformer.module import Float16Module
 
-    from miles_fsm.drivers.megatron import ddp_buffers_in_tags
+    from miles_fsm.drivers.megatron import coalesce_optimizer_state, ddp_buffers_in_tags
 
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)
@@ -526,10 +526,18 @@ def _build_gpt(args: argparse.Namespace, saver: Any) -> dict[str, Any]:
     torch.cuda.empty_cache()
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-5, bf16=True, use_distributed_optimizer=True, clip_grad=1.0)
     state = {"chunks": [ddp], "params": sum(p.numel() for p in model.parameters()), "args": args}
-    # The driver keeps the optimizer state (optimizer_offload="driver"): no region backup.
-    with saver.region("default", backup=False):
-        state["optimizer"] = get_megatron_optimizer(opt_config, [ddp])
-        _gpu_train_step(state, step=0)  # Adam creates its state on the first step: inside the region
+    # The optimizer and its state (Adam creates it on the first step) are built outside any
+    # region, then moved into ONE allocation under `default`, without a region backup: the
+    # driver keeps the state (optimizer_offload="driver"), and one mapping pauses in a millisecond.
+    state["optimizer"] = get_megatron_optimizer(opt_config, [ddp])
+    _gpu_train_step(state, step=0)
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        with saver.region("default", backup=False):
+            return torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+    state["optimizer_flat_bytes"] = coalesce_optimizer_state(state["optimizer"], allocate)
+    torch.cuda.empty_cache()
     return state
 
 
@@ -597,7 +605,8 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
     saver = TmsMemorySaver(config=TmsConfig(hook_mode="torch"))
     t0 = time.perf_counter()
     state = _build_gpt(args, saver)
-    out: dict[str, Any] = {"model": {"params": state["params"], "layers": args.layers, "hidden": args.hidden,
+    out: dict[str, Any] = {"model": {"params": state["params"], "optimizer_flat_bytes": state["optimizer_flat_bytes"],
+                                     "layers": args.layers, "hidden": args.hidden,
                                      "vocab": args.vocab, "build_s": time.perf_counter() - t0},
                            "strategies": {}}
     host = HostCopies()  # one set of pinned buffers for both strategies' drivers

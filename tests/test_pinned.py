@@ -92,13 +92,22 @@ def rank_optimizer_offload(ctx):
 
     saver = CpuMemorySaver()
     gpt = build_tiny_gpt(saver=saver)
+    out = {"exact": [], "allocations": []}
+    if ctx.kwargs.get("coalesce"):
+        from miles_fsm.drivers.megatron import coalesce_optimizer_state
+
+        train_step(gpt, step=100)  # Adam's state exists after a step
+        flat = []
+        out["flat_bytes"] = coalesce_optimizer_state(
+            gpt.optimizer, lambda n: flat.append(torch.empty(n, dtype=torch.uint8)) or flat[-1]
+        )
+        out["flat_ptr"] = flat[0].untyped_storage().data_ptr()
     config = MegatronDriverConfig.from_megatron(
         gpt.chunks, gpt.optimizer, strategy=ctx.kwargs["strategy"], ci=True, optimizer_offload="driver"
     )
     driver = MegatronTrainer(chunks=gpt.chunks, optimizer=gpt.optimizer, config=config, memory=saver)
     lc = Lifecycle(trainer=driver, config=LifecycleConfig(guard=GuardConfig(timeout_s=30), verify=config.verify))
     lc.start()
-    out = {"exact": [], "allocations": []}
     buffers = {b.untyped_storage().data_ptr() for c in gpt.chunks for buf in c.buffers
                for b in (buf.param_data, buf.grad_data)}
     for step in range(2):
@@ -115,12 +124,14 @@ def rank_optimizer_offload(ctx):
         out["exact"].append(digest_tensors(driver.optimizer_state()) == before)
         out["allocations"].append(driver.host_copies.allocations)
     state = driver.optimizer_state()
-    # A replaced state tensor (as load_state_dict does) is seen, not served from the cached views.
-    inner = gpt.optimizer.chained_optimizers[0].optimizer
-    p0 = inner.param_groups[0]["params"][0]
-    old_ptr = state["opt0.state.0.0.exp_avg"].data_ptr()
-    inner.state[p0]["exp_avg"] = inner.state[p0]["exp_avg"].clone()
-    out["cache_refreshed"] = driver.optimizer_state()["opt0.state.0.0.exp_avg"].data_ptr() != old_ptr
+    out["storages"] = sorted({t.untyped_storage().data_ptr() for t in state.values()})
+    if not ctx.kwargs.get("coalesce"):
+        # A replaced state tensor (as load_state_dict does) is seen, not served from the cached views.
+        inner = gpt.optimizer.chained_optimizers[0].optimizer
+        p0 = inner.param_groups[0]["params"][0]
+        old_ptr = state["opt0.state.0.0.exp_avg"].data_ptr()
+        inner.state[p0]["exp_avg"] = inner.state[p0]["exp_avg"].clone()
+        out["cache_refreshed"] = driver.optimizer_state()["opt0.state.0.0.exp_avg"].data_ptr() != old_ptr
     out["names"] = sorted({n.split(".")[1] for n in state})
     out["in_ddp_buffers"] = sum(t.untyped_storage().data_ptr() in buffers for t in state.values())
     out["held"] = driver.host_bytes(OPTIMIZER_KEY)
@@ -149,6 +160,23 @@ def test_megatron_driver_keeps_the_optimizer_state_itself(assert_no_leftovers):
     assert r["in_ddp_buffers"] == 0
     assert r["cache_refreshed"] is True
     assert r["held"] == r["held_key"] == r["state_bytes"] > 0
+
+
+@pytest.mark.megatron
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+def test_coalesced_optimizer_state_is_one_storage_and_still_trains(assert_no_leftovers):
+    """coalesce_optimizer_state moves the master shards and Adam moments into one allocation: training
+    goes on (the optimizer steps through the moved tensors), and the driver's copy is that one storage."""
+    outcomes = run_ranks(
+        rank_optimizer_offload, 1, timeout_s=120, kwargs={"strategy": "backup", "coalesce": True}
+    )
+    o = outcomes[0]
+    assert o.ok, o.error.traceback if o.error else o.exitcode
+    r = o.result
+    assert r["exact"] == [True, True]
+    assert r["flat_ptr"] in r["storages"]
+    flat_share = r["flat_bytes"] / r["state_bytes"]
+    assert flat_share > 0.99, flat_share  # the rest: small tensor attributes of the optimizer objects
 
 
 def test_driver_offload_turns_off_the_default_region_backup():
