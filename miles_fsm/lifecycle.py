@@ -282,30 +282,29 @@ class Lifecycle:
             state = self.state.value
             if not (collectives and self._guard.active):
                 return 0.0
-            from miles_fsm.plan import Intent
+            intent = self._intent(step, state, state, self._epoch, tuple(collectives))
+            return self._agree(intent, {"epoch": self._epoch, "trigger": step, "state": state})
 
-            intent = Intent(
-                epoch=self._epoch,
-                trigger=step,
-                source=state,
-                dest=state,
-                strategy=self._trainer.strategy.value,
-                collectives=tuple(collectives),
-                tensors=self._trainer.tensor_set(),
-            )
-            base = {"epoch": self._epoch, "trigger": step, "state": state}
-            emit = self._tracer.emit
-            emit("guard_entered", key=intent.key, collectives=[str(c) for c in collectives], tensors=intent.tensors.digest, **base)
-            t0 = time.perf_counter()
-            try:
-                self._guard.agree(intent, state=state)
-            except BaseException as exc:
-                extra = {k: getattr(exc, k) for k in ("missing", "culprits", "field", "groups") if hasattr(exc, k)}
-                emit("guard_failed", **extra, **describe(exc), **base)
-                raise
-            seconds = time.perf_counter() - t0
-            emit("guard_passed", duration_s=seconds, **base)
-            return seconds
+    def _agree(self, intent: Intent, base: dict[str, Any]) -> float:
+        """Run the guard with its trace records; return its seconds."""
+        emit = self._tracer.emit
+        emit(
+            "guard_entered",
+            key=intent.key,
+            collectives=[str(c) for c in intent.collectives],
+            tensors=intent.tensors.digest,
+            **base,
+        )
+        t0 = time.perf_counter()
+        try:
+            self._guard.agree(intent, state=base["state"])
+        except BaseException as exc:
+            extra = {k: getattr(exc, k) for k in ("missing", "culprits", "field", "groups") if hasattr(exc, k)}
+            emit("guard_failed", **extra, **describe(exc), **base)
+            raise
+        seconds = time.perf_counter() - t0
+        emit("guard_passed", duration_s=seconds, **base)
+        return seconds
 
     def _fire(self, trigger: Trigger, before_guard: Callable[[], None] | None) -> TransitionResult:
         source = self.state
@@ -318,7 +317,14 @@ class Lifecycle:
         started = time.perf_counter()
         self._in_flight = InFlight(trigger, epoch, "plan", None, time.monotonic())
         steps = tuple(s for s in transition.steps_for(self._trainer.strategy) if self._applies(s))
-        intent = self._intent(transition.trigger, transition.source, transition.dest, epoch, steps)
+        collectives = tuple(c for s in steps for c in self._collectives(s))
+        # The intent (and the tensor set, a walk over every tensor) is built
+        # only when a guard will compare it: most transitions issue no collective.
+        intent = (
+            self._intent(trigger.value, source.value, transition.dest.value, epoch, collectives)
+            if collectives and self._guard.active
+            else None
+        )
         emit = self._tracer.emit
         base = {"epoch": epoch, "trigger": trigger.value}
         emit("transition_started", state=source.value, dest=transition.dest.value, steps=[str(s) for s in steps], **base)
@@ -333,20 +339,9 @@ class Lifecycle:
         step_name: str | None = None
         results: list[StepResult] = []
         try:
-            if intent.collectives and self._guard.active:
+            if intent is not None:
                 self._in_flight = InFlight(trigger, epoch, "guard", None, time.monotonic())
-                emit(
-                    "guard_entered",
-                    state=source.value,
-                    key=intent.key,
-                    collectives=[str(c) for c in intent.collectives],
-                    tensors=intent.tensors.digest,
-                    **base,
-                )
-                g0 = time.perf_counter()
-                self._guard.agree(intent, state=source.value)
-                guard_s = time.perf_counter() - g0
-                emit("guard_passed", state=source.value, duration_s=guard_s, **base)
+                guard_s = self._agree(intent, {"state": source.value, **base})
             for step in steps:
                 step_name = str(step)
                 results.append(self._run_step(step, epoch, source, base))
@@ -364,15 +359,14 @@ class Lifecycle:
     def _applies(self, step: Step) -> bool:
         return self._engine is not None or (step.side is Side.TRAINER and step.kind is not StepKind.PUSH_WEIGHTS)
 
-    def _intent(self, trigger: Trigger, source: State, dest: State, epoch: int, steps: tuple[Step, ...]) -> Intent:
+    def _intent(self, trigger: str, source: str, dest: str, epoch: int, collectives: tuple[Collective, ...]) -> Intent:
         from miles_fsm.plan import Intent
 
-        collectives = tuple(c for s in steps for c in self._collectives(s))
         return Intent(
             epoch=epoch,
-            trigger=trigger.value,
-            source=source.value,
-            dest=dest.value,
+            trigger=trigger,
+            source=source,
+            dest=dest,
             strategy=self._trainer.strategy.value,
             collectives=collectives,
             tensors=self._trainer.tensor_set(),
@@ -416,10 +410,6 @@ class Lifecycle:
         fields = describe(exc)
         if isinstance(exc, VerificationError):
             self._tracer.emit("verify_failed", state=source.value, tensors=list(exc.mismatched), where=exc.where, **base)
-        if phase == "guard":
-            extra = {k: getattr(exc, k) for k in ("missing", "culprits", "field") if hasattr(exc, k)}
-            groups = getattr(exc, "groups", None)
-            self._tracer.emit("guard_failed", state=source.value, groups=groups, **extra, **fields, **base)
         self._tracer.emit(
             "transition_failed", state=State.FAILED.value, source=source.value, action=step, phase=phase, **fields, **base
         )

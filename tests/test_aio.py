@@ -34,8 +34,8 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 class GatedTrainer(ToyTrainer):
     """A ToyTrainer that can hold one call until released, and says when it got there.
 
-    ``hold`` names the call: ``"plan"`` (the tensor set, read while planning,
-    before the guard) or a step as ToyTrainer records it (``"backup:actor"``,
+    ``hold`` names the call: ``"plan"`` (the collective plan, read while
+    planning, before the guard) or a step as ToyTrainer records it (``"backup:actor"``,
     ``"param_sync"``). One-shot: it holds the next such call only. ``hold_s``
     bounds the hold (None: until ``release`` is set).
     """
@@ -65,9 +65,9 @@ class GatedTrainer(ToyTrainer):
         if name == "backup:actor" and self.busy_s:
             _hash_for(self.busy_s)
 
-    def tensor_set(self):
+    def collectives(self, step):
         self._held("plan")
-        return super().tensor_set()
+        return super().collectives(step)
 
 
 def _hash_for(seconds: float) -> None:
