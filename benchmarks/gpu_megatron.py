@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles_fsm.bench import gpu_train_step as train_step
+
 os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")  # a known hang after a resume (stack-facts)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
@@ -151,25 +153,6 @@ def build(args: argparse.Namespace, memory: Any, tms: Any, *, optimizer_backup: 
         state["optimizer"] = get_megatron_optimizer(opt_config, [ddp])
         train_step(state, step=0)  # Adam creates its state on the first step: inside the region
     return state
-
-
-def train_step(state: dict[str, Any], *, step: int) -> float:
-    args = state["args"]
-    g = torch.Generator(device="cuda").manual_seed(step)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
-    labels = torch.roll(tokens, -1, dims=1)
-    position_ids = torch.arange(args.seq, device="cuda").unsqueeze(0).expand(args.batch, -1)
-    for chunk in state["chunks"]:
-        chunk.zero_grad_buffer()
-    state["optimizer"].zero_grad()
-    loss = sum(c(tokens, position_ids, None, labels=labels).float().mean() for c in state["chunks"])
-    loss.backward()
-    for chunk in state["chunks"]:
-        chunk.finish_grad_sync()
-    ok, _, _ = state["optimizer"].step()
-    if not ok:
-        raise RuntimeError(f"optimizer step {step} was skipped")
-    return float(loss.detach())
 
 
 def run_strategy(state: dict[str, Any], memory: TmsMemory, strategy: str, cycles: int) -> dict[str, Any]:

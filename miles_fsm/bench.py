@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_parser", "main", "run_bench"]
+__all__ = ["add_parser", "gpu_train_step", "main", "run_bench"]
 
 GiB = 1 << 30
 _OFFLOAD = ("offload", "pause")
@@ -530,7 +530,7 @@ def _build_gpt(args: argparse.Namespace, saver: Any) -> dict[str, Any]:
     # region, then moved into ONE allocation under `default`, without a region backup: the
     # driver keeps the state (optimizer_offload="driver"), and one mapping pauses in a millisecond.
     state["optimizer"] = get_megatron_optimizer(opt_config, [ddp])
-    _gpu_train_step(state, step=0)
+    gpu_train_step(state, step=0)
 
     def allocate(nbytes: int) -> torch.Tensor:
         with saver.region("default", backup=False):
@@ -541,7 +541,8 @@ def _build_gpt(args: argparse.Namespace, saver: Any) -> dict[str, Any]:
     return state
 
 
-def _gpu_train_step(state: dict[str, Any], *, step: int) -> float:
+def gpu_train_step(state: dict[str, Any], *, step: int) -> float:
+    """One bf16 GPT train step on CUDA over ``state["chunks"]`` and ``state["optimizer"]``."""
     import torch
 
     args = state["args"]
@@ -623,7 +624,7 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
         lc.start()
         cycles, results = [], []
         for c in range(args.cycles):
-            _gpu_train_step(state, step=c + 1)
+            gpu_train_step(state, step=c + 1)
             torch.cuda.synchronize()
             check = c < args.verified
             opt_before = digest_tensors(driver.optimizer_state()) if check else None

@@ -14,6 +14,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # rank functions import tests' helpers by name
 
+from proctable import live_processes  # noqa: E402 - needs the path above
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
@@ -33,17 +35,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def child_pids(pid: int | None = None) -> set[int]:
     """Live descendants of ``pid`` (default: this process), from /proc."""
     root = pid or os.getpid()
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            parents[int(entry)] = int(fields[1])
+    parents = {p.pid: p.ppid for p in live_processes()}
     out: set[int] = set()
     frontier = [root]
     while frontier:

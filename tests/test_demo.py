@@ -12,6 +12,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from proctable import live_processes
 
 from miles_fsm.cli import main
 from miles_fsm.demo import DemoConfig, Injection, run_demo
@@ -28,18 +29,7 @@ def _records(trace_dir: Path, rank: int) -> list[dict]:
 
 def _session_pids(sid: int) -> set[int]:
     """Live processes of session ``sid`` (the demo runs as a session leader, so all its descendants are in it)."""
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            out.add(int(entry))
-    return out
+    return {p.pid for p in live_processes() if p.sid == sid}
 
 
 def _wait_session_empty(sid: int, within_s: float) -> set[int]:
