@@ -32,11 +32,14 @@ class VerifyConfig:
     """SHA256 verification of every tensor across an offload/wake cycle.
 
     ``cycles`` is how many cycles are verified from the start; None means
-    every cycle. ``CI=true`` in the environment also means every cycle.
+    every cycle. ``CI=true`` in the environment also means every cycle,
+    unless ``ci_verifies_every_cycle`` is False (a benchmark that must time
+    unverified cycles).
     """
 
     cycles: int | None = 2
     threads: int | None = None
+    ci_verifies_every_cycle: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -49,7 +52,7 @@ class VerifyConfig:
 
     def active(self, epoch: int) -> bool:
         """Whether cycle ``epoch`` (1-based) is verified."""
-        return self.cycles is None or ci_mode() or epoch <= self.cycles
+        return self.cycles is None or epoch <= self.cycles or (self.ci_verifies_every_cycle and ci_mode())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
