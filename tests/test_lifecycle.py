@@ -136,6 +136,11 @@ def test_verification_runs_only_on_configured_cycles(monkeypatch):
     assert lc.verifies(1) and not lc.verifies(2)
     monkeypatch.setenv("CI", "true")
     assert lc.verifies(2)
+    # A benchmark that must time unverified cycles opts out of the CI override.
+    bench = Lifecycle(
+        trainer=ToyTrainer(), config=LifecycleConfig(verify=VerifyConfig(cycles=1, ci_verifies_every_cycle=False))
+    )
+    assert bench.verifies(1) and not bench.verifies(2)
 
 
 def test_engine_version_mismatch_is_detected():
