@@ -594,7 +594,7 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
     from miles_fsm.digest import default_threads, digest_tensors
     from miles_fsm.drivers.megatron import OPTIMIZER_KEY, MegatronTrainer
     from miles_fsm.drivers.megatron_config import MegatronDriverConfig
-    from miles_fsm.drivers.pinned import HostCopies
+    from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
     from miles_fsm.drivers.tms import TmsConfig, TmsMemorySaver
     from miles_fsm.lifecycle import Lifecycle
 
@@ -610,7 +610,8 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                                      "layers": args.layers, "hidden": args.hidden,
                                      "vocab": args.vocab, "build_s": time.perf_counter() - t0},
                            "strategies": {}}
-    host = HostCopies()  # one set of pinned buffers for both strategies' drivers
+    # One set of pinned buffers for both strategies' drivers.
+    host = HostCopies(config=PinnedConfig(streams=args.copy_streams, chunk_bytes=args.chunk_mib << 20))
     chunks, optimizer = state["chunks"], state["optimizer"]
     for strategy in args.strategies:
         config = MegatronDriverConfig.from_megatron(
@@ -825,6 +826,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab", type=int, default=50304)
     g.add_argument("--seq", type=int, default=512)
     g.add_argument("--batch", type=int, default=2)
+    g.add_argument("--copy-streams", type=int, default=2, help="CUDA streams the host copies rotate over")
+    g.add_argument("--chunk-mib", type=int, default=64, help="size of one host copy chunk, MiB")
     c = p.add_argument_group("CPU model (reference trainer)")
     c.add_argument("--cpu-dim", type=int, default=512)
     c.add_argument("--cpu-layers", type=int, default=8)
