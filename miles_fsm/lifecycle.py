@@ -316,15 +316,20 @@ class Lifecycle:
         epoch = self._epoch + 1 if trigger is Trigger.OFFLOAD else self._epoch
         started = time.perf_counter()
         self._in_flight = InFlight(trigger, epoch, "plan", None, time.monotonic())
-        steps = tuple(s for s in transition.steps_for(self._trainer.strategy) if self._applies(s))
-        collectives = tuple(c for s in steps for c in self._collectives(s))
-        # The intent (and the tensor set, a walk over every tensor) is built
-        # only when a guard will compare it: most transitions issue no collective.
-        intent = (
-            self._intent(trigger.value, source.value, transition.dest.value, epoch, collectives)
-            if collectives and self._guard.active
-            else None
-        )
+        try:
+            steps = tuple(s for s in transition.steps_for(self._trainer.strategy) if self._applies(s))
+            collectives = tuple(c for s in steps for c in self._collectives(s))
+            # The intent (and the tensor set, a walk over every tensor) is built
+            # only when a guard will compare it: most transitions issue no collective.
+            intent = (
+                self._intent(trigger.value, source.value, transition.dest.value, epoch, collectives)
+                if collectives and self._guard.active
+                else None
+            )
+        except BaseException:
+            # Nothing ran: the state is unchanged and nothing is in flight.
+            self._in_flight = None
+            raise
         emit = self._tracer.emit
         base = {"epoch": epoch, "trigger": trigger.value}
         emit("transition_started", state=source.value, dest=transition.dest.value, steps=[str(s) for s in steps], **base)
