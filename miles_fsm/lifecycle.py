@@ -349,7 +349,7 @@ class Lifecycle:
                 guard_s = self._agree(intent, {"state": source.value, **base})
             for step in steps:
                 step_name = str(step)
-                results.append(self._run_step(step, epoch, source, base))
+                results.append(self._run_step(step, trigger, epoch, source, base))
         except BaseException as exc:
             self._fail(trigger, epoch, step_name, exc, source, base)
             raise
@@ -382,9 +382,9 @@ class Lifecycle:
             return self._engine.collectives(step) if self._engine is not None else ()
         return self._trainer.collectives(step)
 
-    def _run_step(self, step: Step, epoch: int, source: State, base: dict[str, Any]) -> StepResult:
+    def _run_step(self, step: Step, trigger: Trigger, epoch: int, source: State, base: dict[str, Any]) -> StepResult:
         name = str(step)
-        self._in_flight = InFlight(Trigger(base["trigger"]), epoch, "step", name, time.monotonic())
+        self._in_flight = InFlight(trigger, epoch, "step", name, time.monotonic())
         mem_before = self._trainer.memory_in_use()
         self._tracer.emit("action_started", state=source.value, action=name, mem_before=mem_before, **base)
         t0 = time.perf_counter()

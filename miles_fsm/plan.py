@@ -64,8 +64,6 @@ class TensorSet:
         return len(self.specs)
 
 
-EMPTY_TENSOR_SET = TensorSet(())
-
 
 @dataclass(frozen=True, slots=True)
 class Collective:
