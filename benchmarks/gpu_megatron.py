@@ -73,8 +73,8 @@ class TmsMemory:
         free1, _ = torch.cuda.mem_get_info()
         self.events.append({"op": op, "tag": tag, "seconds": seconds, "bytes": abs(free1 - free0)})
 
-    def pause(self, tag: str) -> None:
-        self._timed("pause", tag)
+    def pause(self, tag: str, *, synchronize: bool = True) -> None:
+        self._timed("pause", tag)  # always synchronized: this benchmark times each call alone
 
     def resume(self, tag: str) -> None:
         self._timed("resume", tag)

@@ -49,8 +49,13 @@ class MemorySaver(Protocol):
         """
         ...
 
-    def pause(self, tag: str) -> None:
-        """Release every region of ``tag``. Pausing a paused tag raises."""
+    def pause(self, tag: str, *, synchronize: bool = True) -> None:
+        """Release every region of ``tag``. Pausing a paused tag raises.
+
+        ``synchronize=False``: the caller guarantees that no queued device
+        work touches the tag's memory, so the saver need not wait for the
+        device first (the caller may have unrelated copies in flight).
+        """
         ...
 
     def resume(self, tag: str) -> None:
@@ -127,7 +132,8 @@ class CpuMemorySaver:
     def regions(self, tag: str | None = None) -> tuple[Region, ...]:
         return tuple(r for r in self._regions if tag is None or r.tag == tag)
 
-    def pause(self, tag: str) -> None:
+    def pause(self, tag: str, *, synchronize: bool = True) -> None:
+        # Host memory: nothing is queued, so synchronize has nothing to wait for.
         if tag in self._paused:
             raise MemoryTagError(side=self.name, tag=tag, op="pause", paused=self._paused)
         for region in self.regions(tag):

@@ -25,9 +25,10 @@ CPU machines test every path but the DMA.
 
 from __future__ import annotations
 
+import mmap
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,9 @@ import torch
 
 from miles_fsm.errors import ConfigError, HostCopyMissingError
 
-__all__ = ["HostCopies", "PinnedConfig", "Transfer"]
+__all__ = ["ChunkedCopier", "HostCopies", "PinnedConfig", "Transfer", "host_buffer"]
+
+_HUGE = 2 << 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +53,10 @@ class PinnedConfig:
     streams: int = 2
     #: Each tensor starts at a multiple of this many bytes in the flat buffer.
     align: int = 4096
+    #: Back pinned buffers with transparent huge pages (where the kernel allows them).
+    huge_pages: bool = True
+    #: Loads go through a device staging buffer per stream (see ``ChunkedCopier``).
+    staged_loads: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,7 +80,7 @@ class Transfer:
     seconds: float
     #: Seconds spent allocating (and pinning) a new host buffer; 0 when one was reused.
     alloc_s: float = 0.0
-    #: False for a load that returned once its copies were queued (``wait=False``):
+    #: False for a save or load that returned once its copies were queued (``wait=False``):
     #: ``seconds`` is then the time to issue them, not to land them.
     waited: bool = True
 
@@ -111,6 +118,7 @@ class HostCopies:
         self.config = config or PinnedConfig()
         self._slots: dict[str, _Slot] = {}
         self._streams: dict[torch.device, list[torch.cuda.Stream]] = {}
+        self._staging: dict[torch.device, list[torch.Tensor]] = {}
         self.allocations = 0
         self.log: list[Transfer] = []
 
@@ -145,8 +153,13 @@ class HostCopies:
 
     # ------------------------------------------------------------- moves
 
-    def save(self, key: str, tensors: Mapping[str, torch.Tensor]) -> Transfer:
-        """Copy ``tensors`` into ``key``'s buffer, reusing it when the layout is unchanged."""
+    def save(self, key: str, tensors: Mapping[str, torch.Tensor], *, wait: bool = True) -> Transfer:
+        """Copy ``tensors`` into ``key``'s buffer, reusing it when the layout is unchanged.
+
+        ``wait=False`` (CUDA): return once the copies are queued; the held
+        bytes are valid after ``synchronize()``, and the sources must not
+        change or be unmapped before it.
+        """
         t0 = time.perf_counter()
         layout = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items())
         slot = self._slots.get(key)
@@ -158,8 +171,8 @@ class HostCopies:
             slot = self._slots[key] = self._allocate(layout, pin)
             alloc_s = time.perf_counter() - a0
         pairs = [(slot.views[n], t.detach()) for n, t in tensors.items()]
-        self._copy(pairs)
-        return self._logged(key, "save", slot.nbytes, time.perf_counter() - t0, alloc_s)
+        waited = self._copy(pairs, wait=wait)
+        return self._logged(key, "save", slot.nbytes, time.perf_counter() - t0, alloc_s, waited)
 
     def load(self, key: str, tensors: Mapping[str, torch.Tensor], *, wait: bool = True) -> Transfer:
         """Copy ``key``'s held bytes back into ``tensors`` (every held name must be there).
@@ -170,6 +183,7 @@ class HostCopies:
         loaded bytes; only the host does not wait. The host buffer is
         written again by the next ``save`` only, which the copy streams order
         after these loads.
+
         """
         t0 = time.perf_counter()
         slot = self._slot(key)
@@ -183,13 +197,21 @@ class HostCopies:
             live = tensors[name]
             if tuple(live.shape) != tuple(host.shape) or live.dtype != host.dtype:
                 raise ConfigError(
-                    [f"load({key!r}): {name} is {list(live.shape)}:{live.dtype} live but "
-                     f"{list(host.shape)}:{host.dtype} held"],
+                    [
+                        f"load({key!r}): {name} is {list(live.shape)}:{live.dtype} live but "
+                        f"{list(host.shape)}:{host.dtype} held"
+                    ],
                     "HostCopies.load",
                 )
             pairs.append((live.detach(), host))
         waited = self._copy(pairs, wait=wait)
         return self._logged(key, "load", slot.nbytes, time.perf_counter() - t0, 0.0, waited)
+
+    def synchronize(self) -> None:
+        """Wait (host) for every copy queued so far."""
+        for streams in self._streams.values():
+            for s in streams:
+                s.synchronize()
 
     def drop(self, key: str) -> None:
         """Free ``key``'s buffer (unregistering it first)."""
@@ -225,7 +247,7 @@ class HostCopies:
             offsets[name] = (start, start + n)
             end = start + n
         total = max(end, 1)
-        buffer, registered, finalizer = _host_buffer(total, pin)
+        buffer, registered, finalizer = host_buffer(total, pin=pin, huge_pages=self.config.huge_pages)
         self.allocations += 1
         views = {}
         for name, shape, dtype in layout:
@@ -233,9 +255,8 @@ class HostCopies:
             views[name] = buffer[a:b].view(dtype).view(shape) if b > a else torch.empty(shape, dtype=dtype)
         return _Slot(layout, buffer, views, offsets, pinned=pin, registered=registered, finalizer=finalizer)
 
-    def _copy(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *, wait: bool = True) -> bool:
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, wait: bool) -> bool:
         """Run the copies; returns whether the host waited for all of them."""
-        pairs = list(pairs)
         cuda = [(d, s) for d, s in pairs if d.is_cuda or s.is_cuda]
         for dst, src in pairs:
             if not (dst.is_cuda or src.is_cuda):
@@ -248,31 +269,32 @@ class HostCopies:
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in pairs:
             by_device.setdefault(dst.device if dst.is_cuda else src.device, []).append((dst, src))
-        chunk = self.config.chunk_bytes
         for device, group in by_device.items():
             streams = self._device_streams(device)
             current = torch.cuda.current_stream(device)
             for s in streams:
                 s.wait_stream(current)
-            i = 0
             with torch.cuda.device(device):
-                for dst, src in group:
-                    if not (dst.is_contiguous() and src.is_contiguous()):
-                        with torch.cuda.stream(streams[i % len(streams)]):
-                            dst.copy_(src, non_blocking=True)
-                        i += 1
-                        continue
-                    d, s_ = _bytes(dst), _bytes(src)
-                    for a in range(0, d.numel(), chunk):
-                        with torch.cuda.stream(streams[i % len(streams)]):
-                            d[a : a + chunk].copy_(s_[a : a + chunk], non_blocking=True)
-                        i += 1
+                staging = self._device_staging(device) if self.config.staged_loads else None
+                ChunkedCopier(streams, self.config.chunk_bytes, staging=staging).copy(group)
             # Later work on the current stream sees the copied bytes.
             for s in streams:
                 current.wait_stream(s)
             if wait:
                 for s in streams:
                     s.synchronize()
+
+    def _device_staging(self, device: torch.device) -> list[torch.Tensor]:
+        if device not in self._staging:
+            self._staging[device] = [
+                torch.empty(self.config.chunk_bytes, dtype=torch.uint8, device=device)
+                for _ in range(self.config.streams)
+            ]
+        return self._staging[device]
+
+    def staging_bytes(self) -> int:
+        """Device bytes held by the staging buffers of loads (resident for good)."""
+        return sum(b.numel() for bufs in self._staging.values() for b in bufs)
 
     def _device_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
         if device not in self._streams:
@@ -296,13 +318,89 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-def _host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool, Any]:
+class ChunkedCopier:
+    """Queues copies in ``chunk_bytes`` pieces, round-robin over ``streams``; nothing waits.
+
+    With ``staging`` (one device buffer of at least ``chunk_bytes`` per
+    stream), a host-to-device chunk is copied by the copy engine into its
+    stream's staging buffer, which stays mapped for good, and from there by
+    a device kernel into its destination. Measured on an H200
+    (``benchmarks/gpu_copy_paths.py``): for about 50 ms after device memory
+    is mapped again (a torch_memory_saver resume, a fresh ``cudaMalloc``),
+    copy-engine writes into it run at about half speed, which costs a wake
+    about 50 ms, while kernels write it at full speed. Staging costs one
+    device-to-device pass per chunk (tens of microseconds) and
+    ``streams x chunk_bytes`` of device memory.
+    """
+
+    def __init__(
+        self,
+        streams: Sequence[torch.cuda.Stream],
+        chunk_bytes: int,
+        *,
+        staging: Sequence[torch.Tensor] | None = None,
+    ) -> None:
+        if staging is not None and (len(staging) < len(streams) or any(b.numel() < chunk_bytes for b in staging)):
+            raise ConfigError([f"staging needs {len(streams)} buffers of >= {chunk_bytes} bytes"], "ChunkedCopier")
+        self._streams = list(streams)
+        self._chunk = chunk_bytes
+        self._staging = staging
+        self._next = 0
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Queue ``dst.copy_(src)`` for each pair (a pair not contiguous on both sides goes whole, unstaged)."""
+        for dst, src in pairs:
+            if not (dst.is_contiguous() and src.is_contiguous()):
+                self._issue(dst, src, staged=False)
+                continue
+            d, s = _bytes(dst), _bytes(src)
+            staged = self._staging is not None and d.is_cuda and not s.is_cuda
+            for a in range(0, d.numel(), self._chunk):
+                self._issue(d[a : a + self._chunk], s[a : a + self._chunk], staged=staged)
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, *, staged: bool) -> None:
+        k = self._next % len(self._streams)
+        self._next += 1
+        with torch.cuda.stream(self._streams[k]):
+            if not staged:
+                dst.copy_(src, non_blocking=True)
+                return
+            # Both steps are on this stream, so the buffer's next fill waits for this drain.
+            slot = self._staging[k][: dst.numel()]  # type: ignore[index]
+            slot.copy_(src, non_blocking=True)
+            _kernel_copy(dst, slot)
+
+
+def _kernel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Device bytes to device bytes by an elementwise kernel (a memcpy would go to the copy engines)."""
+    n = dst.numel()
+    wide = n // 4 * 4 if dst.data_ptr() % 4 == 0 and src.data_ptr() % 4 == 0 else 0
+    if wide:
+        torch.bitwise_or(src[:wide].view(torch.int32), 0, out=dst[:wide].view(torch.int32))
+    if wide < n:
+        torch.bitwise_or(src[wide:], 0, out=dst[wide:])
+
+
+def host_buffer(nbytes: int, *, pin: bool, huge_pages: bool = False) -> tuple[torch.Tensor, bool, Any]:
     """A host buffer of exactly ``nbytes``; registered (pinned) with CUDA when ``pin``.
 
-    Returns the buffer, whether it is registered, and a finalizer that
-    unregisters it before its memory can go back to the OS.
+    ``huge_pages`` backs it with transparent huge pages where the kernel
+    allows them (``madvise`` or ``always`` in
+    ``/sys/kernel/mm/transparent_hugepage/enabled``): a 2 MiB-aligned
+    anonymous mapping advised ``MADV_HUGEPAGE``. Faulting it in then takes
+    one fault per 2 MiB instead of per 4 KiB. Returns the buffer, whether it
+    is registered, and a finalizer that unregisters it before its memory can
+    go back to the OS.
     """
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    owner: Any = None
+    if huge_pages and nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        owner = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        owner.madvise(mmap.MADV_HUGEPAGE)
+        whole = torch.frombuffer(owner, dtype=torch.uint8)
+        skip = -whole.data_ptr() % _HUGE
+        buffer = whole[skip : skip + nbytes]
+    else:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
     if not pin:
         return buffer, False, None
     buffer.zero_()  # fault the pages in on every core; registering alone does it on one
@@ -312,8 +410,9 @@ def _host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool, Any]:
         # Registration refused (e.g. a locked-memory limit): fall back to torch's
         # pinned allocator, which rounds up to a power of two.
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False, None
-    return buffer, True, weakref.finalize(buffer, _unregister, buffer.data_ptr())
+    # The mapping rides along with the finalizer, so it outlives the registration.
+    return buffer, True, weakref.finalize(buffer, _unregister, buffer.data_ptr(), owner)
 
 
-def _unregister(ptr: int) -> None:
+def _unregister(ptr: int, owner: Any) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)

@@ -234,13 +234,19 @@ class TmsMemorySaver:
             _LEDGER.regions.append(TmsRegion(tag=tag, tensor=tensor, backup=backup))
         return tensor
 
-    def pause(self, tag: str) -> None:
-        """Unmap every allocation of ``tag``; backed-up regions keep a host copy."""
+    def pause(self, tag: str, *, synchronize: bool = True) -> None:
+        """Unmap every allocation of ``tag``; backed-up regions keep a host copy.
+
+        The device is synchronized first (``TmsConfig.synchronize``) unless
+        ``synchronize=False``: the caller then guarantees that no queued work
+        touches the tag, e.g. because it synchronized before queueing copies
+        of other memory that may go on during the unmap.
+        """
         with _LEDGER.lock:
             if tag in _LEDGER.paused:
                 raise MemoryTagError(side=self.name, tag=tag, op="pause", paused=_LEDGER.paused)
             tms = self._library()
-            if self.config.synchronize:
+            if self.config.synchronize and synchronize:
                 torch.cuda.synchronize(self._device)
             tms.pause(tag)
             _LEDGER.paused.add(tag)

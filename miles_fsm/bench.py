@@ -58,12 +58,12 @@ def pinned_limits(nbytes: int = 2 * GiB, repeats: int = 3) -> dict[str, float]:
     ``cudaHostRegister``-ed buffer (what ``HostCopies`` uses); the limit is the better of the two."""
     import torch
 
-    from miles_fsm.drivers.pinned import _host_buffer
+    from miles_fsm.drivers.pinned import PinnedConfig, host_buffer
 
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     out: dict[str, float] = {}
     hosts = {"alloc": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)}
-    registered, _, finalizer = _host_buffer(nbytes, True)
+    registered, _, finalizer = host_buffer(nbytes, pin=True, huge_pages=PinnedConfig().huge_pages)
     hosts["registered"] = registered
     for kind, host in hosts.items():
         for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
@@ -432,9 +432,9 @@ def run_cpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
 
 def demo_overhead(limits: Mapping[str, Any]) -> dict[str, Any]:
     """Guard + trace overhead per transition in ``miles-fsm demo`` (defaults: 2 ranks, 4 steps), from its traces."""
-    from miles_fsm.demo import DemoConfig, run_demo
-
     import orjson
+
+    from miles_fsm.demo import DemoConfig, run_demo
 
     out: dict[str, Any] = {}
     for label, kw in (("default", {}), ("dim256_layers4", {"dim": 256, "layers": 4})):
@@ -570,9 +570,9 @@ class _TimedMemory:
         self._saver = saver
         self.events: list[dict[str, Any]] = []
 
-    def pause(self, tag: str) -> None:
+    def pause(self, tag: str, *, synchronize: bool = True) -> None:
         t0 = time.perf_counter()
-        self._saver.pause(tag)
+        self._saver.pause(tag, synchronize=synchronize)
         self.events.append({"op": "pause", "tag": tag, "s": time.perf_counter() - t0})
 
     def resume(self, tag: str) -> None:
@@ -611,7 +611,8 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                                      "vocab": args.vocab, "build_s": time.perf_counter() - t0},
                            "strategies": {}}
     # One set of pinned buffers for both strategies' drivers.
-    host = HostCopies(config=PinnedConfig(streams=args.copy_streams, chunk_bytes=args.chunk_mib << 20))
+    host = HostCopies(config=PinnedConfig(streams=args.copy_streams, chunk_bytes=args.chunk_mib << 20,
+                                          staged_loads=not args.direct_loads))
     chunks, optimizer = state["chunks"], state["optimizer"]
     for strategy in args.strategies:
         config = MegatronDriverConfig.from_megatron(
@@ -695,6 +696,7 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                 "reserved": host.reserved_bytes(),
                 "pinned": host.pinned_bytes(),
                 "buffer_allocations": host.allocations,
+                "load_staging_device_bytes": host.staging_bytes(),
             },
             "state": lc.state.value,
         }
@@ -720,7 +722,6 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """The ratios docs/benchmarks.md quotes: steady cycles (after the verified ones) for the data path."""
     summary: dict[str, Any] = {}
-    limits = result["limits"]
     for strategy, data in result["run"]["strategies"].items():
         cycles = data["cycles"]
         steady = [c for c in cycles if not c["verified"]] or cycles[1:] or cycles
@@ -828,6 +829,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=int, default=2)
     g.add_argument("--copy-streams", type=int, default=2, help="CUDA streams the host copies rotate over")
     g.add_argument("--chunk-mib", type=int, default=64, help="size of one host copy chunk, MiB")
+    g.add_argument("--direct-loads", action="store_true",
+                   help="H2D straight into the woken memory, without the device staging buffers")
     c = p.add_argument_group("CPU model (reference trainer)")
     c.add_argument("--cpu-dim", type=int, default=512)
     c.add_argument("--cpu-layers", type=int, default=8)

@@ -92,7 +92,7 @@ def rank_optimizer_offload(ctx):
 
     saver = CpuMemorySaver()
     gpt = build_tiny_gpt(saver=saver)
-    out = {"exact": [], "allocations": []}
+    out = {"exact": [], "allocations": [], "pauses": []}
     if ctx.kwargs.get("coalesce"):
         from miles_fsm.drivers.megatron import coalesce_optimizer_state
 
@@ -105,7 +105,21 @@ def rank_optimizer_offload(ctx):
     config = MegatronDriverConfig.from_megatron(
         gpt.chunks, gpt.optimizer, strategy=ctx.kwargs["strategy"], ci=True, optimizer_offload="driver"
     )
-    driver = MegatronTrainer(chunks=gpt.chunks, optimizer=gpt.optimizer, config=config, memory=saver)
+    driver = MegatronTrainer(chunks=gpt.chunks, optimizer=gpt.optimizer, config=config, memory=_Recording(saver, out))
+    if ctx.kwargs.get("stale"):
+        # The early save that the pause of grad_buffer starts must not outlive a resume.
+        train_step(gpt, step=0)
+        driver.pause_memory("grad_buffer")
+        driver.resume_memory("grad_buffer")
+        train_step(gpt, step=1)
+        want = digest_tensors(driver.optimizer_state())
+        driver.pause_memory("grad_buffer")
+        driver.pause_memory("default")
+        for t in driver.optimizer_state().values():
+            t.fill_(0xFF)
+        driver.resume_memory("default")
+        driver.resume_memory("grad_buffer")
+        return {"exact": digest_tensors(driver.optimizer_state()) == want, "pauses": out["pauses"]}
     lc = Lifecycle(trainer=driver, config=LifecycleConfig(guard=GuardConfig(timeout_s=30), verify=config.verify))
     lc.start()
     buffers = {b.untyped_storage().data_ptr() for c in gpt.chunks for buf in c.buffers
@@ -141,6 +155,20 @@ def rank_optimizer_offload(ctx):
     return out
 
 
+class _Recording:
+    """A memory saver that records each pause and whether it synchronized."""
+
+    def __init__(self, saver, out):
+        self._saver, self._out = saver, out
+
+    def pause(self, tag, *, synchronize=True):
+        self._out["pauses"].append((tag, synchronize))
+        self._saver.pause(tag, synchronize=synchronize)
+
+    def resume(self, tag):
+        self._saver.resume(tag)
+
+
 _SKIP = megatron_available()
 
 
@@ -160,6 +188,22 @@ def test_megatron_driver_keeps_the_optimizer_state_itself(assert_no_leftovers):
     assert r["in_ddp_buffers"] == 0
     assert r["cache_refreshed"] is True
     assert r["held"] == r["held_key"] == r["state_bytes"] > 0
+    # Each offload starts the optimizer state's copy at the pause of grad_buffer and unmaps that tag
+    # while it runs (no device sync); default is unmapped after the copy, with the usual sync.
+    offloads = [p for p in r["pauses"] if p[0] in ("grad_buffer", "default")]
+    assert offloads == [("grad_buffer", False), ("default", True)] * 2
+
+
+@pytest.mark.megatron
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+def test_an_early_optimizer_save_is_dropped_by_a_resume(assert_no_leftovers):
+    """grad_buffer paused then resumed, a train step, then the real offload: the state that comes
+    back is the one after that step, not the copy the first pause started."""
+    outcomes = run_ranks(rank_optimizer_offload, 1, timeout_s=120, kwargs={"strategy": "backup", "stale": True})
+    o = outcomes[0]
+    assert o.ok, o.error.traceback if o.error else o.exitcode
+    assert o.result["exact"] is True
+    assert o.result["pauses"] == [("grad_buffer", False), ("grad_buffer", False), ("default", True)]
 
 
 @pytest.mark.megatron
