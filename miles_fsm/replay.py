@@ -19,6 +19,7 @@ from typing import Any, TextIO
 import orjson
 
 from miles_fsm.diagnosis import Diagnosis, diagnose, rank_ranges
+from miles_fsm.ranks import plural_ranks
 from miles_fsm.trace_reader import EpochRange, TraceDirError, find_traces, read_ranks
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_OK", "EXIT_PROBLEM", "add_parser", "render", "replay"]
@@ -171,7 +172,7 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
     for r in d.ranks:
         groups[_rank_key(r)].append(r["rank"])
     for key, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
-        add((None, f"  {_plural(ranks)}: {key[0]}"))
+        add((None, f"  {plural_ranks(ranks)}: {key[0]}"))
 
     if d.first_divergence is not None:
         f = d.first_divergence
@@ -179,7 +180,7 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         where = f"{f['transition']} (epoch {f['epoch']}, transition #{f['position']})"
         add((None, f"  {where}: they differ in {f['field']}"))
         for g in f["groups"]:
-            add((None, f"    {_plural(g['ranks'])}: {_value(g['value'])}"))
+            add((None, f"    {plural_ranks(g['ranks'])}: {_value(g['value'])}"))
         if f["also_differ"]:
             add(("dim", f"    also different: {', '.join(f['also_differ'])}"))
         g = f.get("guard_report")
@@ -189,7 +190,7 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         if f["tie"]:
             add(("dim", "    the groups are the same size: which side is wrong is a guess"))
         if f["not_yet_at_guard"]:
-            add(("dim", f"    {_plural(f['not_yet_at_guard'])} had not reached the guard, so their plan is unknown"))
+            add(("dim", f"    {plural_ranks(f['not_yet_at_guard'])} had not reached the guard, so their plan is unknown"))
 
     if d.stuck:
         add(("bold", "\nStopped ranks"))
@@ -204,7 +205,7 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         for v in d.verification:
             grouped[(v["epoch"], v["transition"], v["where"], tuple(v["tensors"]))].append(v["rank"])
         for (epoch, trigger, where, tensors), ranks in list(grouped.items())[:_LIST_LIMIT]:
-            add((None, f"  {_plural(ranks)}, {trigger} (epoch {epoch}, {where}): {len(tensors)} tensor(s): "
+            add((None, f"  {plural_ranks(ranks)}, {trigger} (epoch {epoch}, {where}): {len(tensors)} tensor(s): "
                        f"{_names(list(tensors))}"))
 
     if d.failures:
@@ -226,7 +227,7 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
                 extra = f", on {g['field']}" + (
                     f" (suspects: {rank_ranges(g['culprits'])})" if g.get("culprits") else ""
                 )
-            add((None, f"  {g['transition']} (epoch {g['epoch']}): {g['error']} on {_plural(g['ranks'])}{extra}"))
+            add((None, f"  {g['transition']} (epoch {g['epoch']}): {g['error']} on {plural_ranks(g['ranks'])}{extra}"))
         _more(L, d.guard_failures)
 
     add(("bold", "\nIllegal transitions (re-driven through the lifecycle definition)"))
@@ -259,7 +260,7 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
     if problems:
         add(("bold", "\nTrace problems"))
         if d.missing_ranks:
-            add((None, f"  no trace file for {_plural(d.missing_ranks)}"))
+            add((None, f"  no trace file for {plural_ranks(d.missing_ranks)}"))
         for b in tp["bad_lines"][:_LIST_LIMIT]:
             add((None, f"  {b['where']}: {b['reason']}, skipped: {b['text'][:60]!r}"))
         _more(L, tp["bad_lines"])
@@ -289,10 +290,6 @@ def _rank_key(r: dict[str, Any]) -> tuple[str]:
         e = r["error"]
         text += f", {e['type']} in {e['action'] or 'guard'} of {e['transition']}"
     return (text,)
-
-
-def _plural(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
 
 
 def _more(lines: list[tuple[str | None, str]], items: Sequence[Any]) -> None:
