@@ -55,8 +55,6 @@ class PinnedConfig:
     align: int = 4096
     #: Back pinned buffers with transparent huge pages (where the kernel allows them).
     huge_pages: bool = True
-    #: Loads go through a device staging buffer per stream (see ``ChunkedCopier``).
-    staged_loads: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -118,7 +116,6 @@ class HostCopies:
         self.config = config or PinnedConfig()
         self._slots: dict[str, _Slot] = {}
         self._streams: dict[torch.device, list[torch.cuda.Stream]] = {}
-        self._staging: dict[torch.device, list[torch.Tensor]] = {}
         self.allocations = 0
         self.log: list[Transfer] = []
 
@@ -275,26 +272,13 @@ class HostCopies:
             for s in streams:
                 s.wait_stream(current)
             with torch.cuda.device(device):
-                staging = self._device_staging(device) if self.config.staged_loads else None
-                ChunkedCopier(streams, self.config.chunk_bytes, staging=staging).copy(group)
+                ChunkedCopier(streams, self.config.chunk_bytes).copy(group)
             # Later work on the current stream sees the copied bytes.
             for s in streams:
                 current.wait_stream(s)
             if wait:
                 for s in streams:
                     s.synchronize()
-
-    def _device_staging(self, device: torch.device) -> list[torch.Tensor]:
-        if device not in self._staging:
-            self._staging[device] = [
-                torch.empty(self.config.chunk_bytes, dtype=torch.uint8, device=device)
-                for _ in range(self.config.streams)
-            ]
-        return self._staging[device]
-
-    def staging_bytes(self) -> int:
-        """Device bytes held by the staging buffers of loads (resident for good)."""
-        return sum(b.numel() for bufs in self._staging.values() for b in bufs)
 
     def _device_streams(self, device: torch.device) -> list[torch.cuda.Stream]:
         if device not in self._streams:
@@ -321,64 +305,30 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class ChunkedCopier:
     """Queues copies in ``chunk_bytes`` pieces, round-robin over ``streams``; nothing waits.
 
-    With ``staging`` (one device buffer of at least ``chunk_bytes`` per
-    stream), a host-to-device chunk is copied by the copy engine into its
-    stream's staging buffer, which stays mapped for good, and from there by
-    a device kernel into its destination. Measured on an H200
-    (``benchmarks/gpu_copy_paths.py``): for about 50 ms after device memory
-    is mapped again (a torch_memory_saver resume, a fresh ``cudaMalloc``),
-    copy-engine writes into it run at about half speed, which costs a wake
-    about 50 ms, while kernels write it at full speed. Staging costs one
-    device-to-device pass per chunk (tens of microseconds) and
-    ``streams x chunk_bytes`` of device memory.
+    Small tensors' launch latency overlaps with the big ones' transfer, and
+    the DMA engines never idle between tensors. The caller orders the
+    streams against its own work.
     """
 
-    def __init__(
-        self,
-        streams: Sequence[torch.cuda.Stream],
-        chunk_bytes: int,
-        *,
-        staging: Sequence[torch.Tensor] | None = None,
-    ) -> None:
-        if staging is not None and (len(staging) < len(streams) or any(b.numel() < chunk_bytes for b in staging)):
-            raise ConfigError([f"staging needs {len(streams)} buffers of >= {chunk_bytes} bytes"], "ChunkedCopier")
+    def __init__(self, streams: Sequence[torch.cuda.Stream], chunk_bytes: int) -> None:
         self._streams = list(streams)
         self._chunk = chunk_bytes
-        self._staging = staging
         self._next = 0
 
     def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Queue ``dst.copy_(src)`` for each pair (a pair not contiguous on both sides goes whole, unstaged)."""
+        """Queue ``dst.copy_(src)`` for each pair (a pair not contiguous on both sides goes whole)."""
         for dst, src in pairs:
             if not (dst.is_contiguous() and src.is_contiguous()):
-                self._issue(dst, src, staged=False)
+                self._issue(dst, src)
                 continue
             d, s = _bytes(dst), _bytes(src)
-            staged = self._staging is not None and d.is_cuda and not s.is_cuda
             for a in range(0, d.numel(), self._chunk):
-                self._issue(d[a : a + self._chunk], s[a : a + self._chunk], staged=staged)
+                self._issue(d[a : a + self._chunk], s[a : a + self._chunk])
 
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, *, staged: bool) -> None:
-        k = self._next % len(self._streams)
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self._streams[self._next % len(self._streams)]):
+            dst.copy_(src, non_blocking=True)
         self._next += 1
-        with torch.cuda.stream(self._streams[k]):
-            if not staged:
-                dst.copy_(src, non_blocking=True)
-                return
-            # Both steps are on this stream, so the buffer's next fill waits for this drain.
-            slot = self._staging[k][: dst.numel()]  # type: ignore[index]
-            slot.copy_(src, non_blocking=True)
-            _kernel_copy(dst, slot)
-
-
-def _kernel_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Device bytes to device bytes by an elementwise kernel (a memcpy would go to the copy engines)."""
-    n = dst.numel()
-    wide = n // 4 * 4 if dst.data_ptr() % 4 == 0 and src.data_ptr() % 4 == 0 else 0
-    if wide:
-        torch.bitwise_or(src[:wide].view(torch.int32), 0, out=dst[:wide].view(torch.int32))
-    if wide < n:
-        torch.bitwise_or(src[wide:], 0, out=dst[wide:])
 
 
 def host_buffer(nbytes: int, *, pin: bool, huge_pages: bool = False) -> tuple[torch.Tensor, bool, Any]:

@@ -611,8 +611,7 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                                      "vocab": args.vocab, "build_s": time.perf_counter() - t0},
                            "strategies": {}}
     # One set of pinned buffers for both strategies' drivers.
-    host = HostCopies(config=PinnedConfig(streams=args.copy_streams, chunk_bytes=args.chunk_mib << 20,
-                                          staged_loads=not args.direct_loads))
+    host = HostCopies(config=PinnedConfig(streams=args.copy_streams, chunk_bytes=args.chunk_mib << 20))
     chunks, optimizer = state["chunks"], state["optimizer"]
     for strategy in args.strategies:
         config = MegatronDriverConfig.from_megatron(
@@ -696,7 +695,6 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                 "reserved": host.reserved_bytes(),
                 "pinned": host.pinned_bytes(),
                 "buffer_allocations": host.allocations,
-                "load_staging_device_bytes": host.staging_bytes(),
             },
             "state": lc.state.value,
         }
@@ -712,11 +710,45 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
     from miles_fsm.digest import StagingRing
 
     out["verification"]["staging_pinned_bytes"] = StagingRing.for_device(torch.device("cuda", 0)).pinned_bytes
+    out["wake_load"] = wake_load_limit(saver, host, opt)
     dist.destroy_process_group()
     return out
 
 
 # ================================================================ summary
+
+
+def wake_load_limit(saver: Any, host: Any, state: Mapping[str, Any], repeats: int = 2) -> dict[str, Any]:
+    """The H2D limit that applies to a wake: the optimizer state's load alone, right after the
+    three trainer tags are mapped again, and the same load 60 ms after the mapping.
+
+    On an H200 the driver's own work on freshly mapped memory slows copy-engine
+    H2D for about 50 ms (``benchmarks/gpu_copy_paths.py``); a wake cannot wait
+    that out, so this is the rate its data path can reach. Run last: the
+    param and grad buffers come back with undefined contents.
+    """
+    import torch
+
+    from miles_fsm.drivers.megatron import OPTIMIZER_KEY
+    from miles_fsm.states import TRAINER_TAGS
+
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    torch.cuda.synchronize()
+    host.save(OPTIMIZER_KEY, state)
+    out: dict[str, Any] = {"bytes": nbytes, "tags": list(TRAINER_TAGS)}
+    for label, idle_s in (("just_mapped", 0.0), ("mapped_60ms_before", 0.06)):
+        runs = []
+        for _ in range(repeats):
+            for tag in TRAINER_TAGS:
+                saver.pause(tag)
+            for tag in TRAINER_TAGS:
+                saver.resume(tag)
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            host.load(OPTIMIZER_KEY, state)
+            runs.append(time.perf_counter() - t0)
+        out[label] = {"runs_s": runs, "GBps": nbytes / min(runs) / 1e9}
+    return out
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -829,8 +861,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=int, default=2)
     g.add_argument("--copy-streams", type=int, default=2, help="CUDA streams the host copies rotate over")
     g.add_argument("--chunk-mib", type=int, default=64, help="size of one host copy chunk, MiB")
-    g.add_argument("--direct-loads", action="store_true",
-                   help="H2D straight into the woken memory, without the device staging buffers")
     c = p.add_argument_group("CPU model (reference trainer)")
     c.add_argument("--cpu-dim", type=int, default=512)
     c.add_argument("--cpu-layers", type=int, default=8)

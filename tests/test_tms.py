@@ -209,8 +209,8 @@ def test_gpu_retained_backup_survives_cycles(gpu_saver):
 
 
 @pytest.mark.gpu
-def test_gpu_host_copies_round_trip_through_staging_into_remapped_memory(gpu_saver):
-    """HostCopies' staged loads land bit-exact in memory that was just mapped again (odd sizes, a
+def test_gpu_host_copies_round_trip_into_remapped_memory(gpu_saver):
+    """HostCopies' chunked loads land bit-exact in memory that was just mapped again (odd sizes, a
     strided tensor, one larger than a chunk), and another tag can be unmapped without a device sync
     while a save is still in flight."""
     from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
@@ -234,6 +234,5 @@ def test_gpu_host_copies_round_trip_through_staging_into_remapped_memory(gpu_sav
     host.load("state", live)
     for name, t in live.items():
         assert torch.equal(t, want[name]), name
-    assert host.staging_bytes() == 2 * chunk
     gpu_saver.resume("test_staged_other")
     del other
