@@ -41,6 +41,11 @@ def plot_phases(result: dict[str, Any], out: Path) -> Path:
         if limit:
             ax.axhline(limit, color="k", linestyle="--", linewidth=1, label=f"limit {limit:.1f} GB/s")
             ax.axhline(0.9 * limit, color="grey", linestyle=":", linewidth=1, label="90% of limit")
+        wake_load = result["run"].get("wake_load")
+        if phase == "wake" and wake_load:
+            mapped = wake_load["just_mapped"]["GBps"]
+            ax.axhline(mapped, color="tab:red", linestyle="-.", linewidth=1,
+                       label=f"H2D right after mapping {mapped:.1f} GB/s")
         ax.set_title(f"{phase} ({'D2H' if phase == 'offload' else 'H2D'})" if result["device"] == "cuda" else phase)
         ax.set_xlabel("cycle (1-2 verified, first allocates the host buffers)")
         ax.grid(alpha=0.3)
