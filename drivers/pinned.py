@@ -53,7 +53,8 @@ class PinnedConfig:
     streams: int = 2
     #: Each tensor starts at a multiple of this many bytes in the flat buffer.
     align: int = 4096
-    #: Back pinned buffers with transparent huge pages (where the kernel allows them).
+    #: Back host buffers with transparent huge pages (where the kernel allows them):
+    #: fewer page faults when a buffer is first filled.
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
@@ -180,7 +181,6 @@ class HostCopies:
         loaded bytes; only the host does not wait. The host buffer is
         written again by the next ``save`` only, which the copy streams order
         after these loads.
-
         """
         t0 = time.perf_counter()
         slot = self._slot(key)
