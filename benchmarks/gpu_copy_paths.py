@@ -15,10 +15,18 @@ again) ran at 0.92x of the pinned H2D limit while the offload's D2H ran at
 - size: the whole buffer (default 16 GiB) and its first 2 GiB, the size of
   ``miles-fsm bench``'s limit measurement.
 
+Then, after a remap: what the first H2D waits for (idle time, a kernel, a
+small copy), an SM kernel reading the host buffer instead of the copy
+engines, a fresh ``cudaMalloc``, and whether another tag can be unmapped
+while a D2H is in flight. ``--wake`` runs only a wake in miniature (three
+tags mapped again, then one ``HostCopies.load``).
+
 Every figure is the best and the median of ``--repeats`` runs, in GB/s,
 host clock around a device synchronize. Usage (CUDA, torch-memory-saver)::
 
     python benchmarks/gpu_copy_paths.py --out /tmp/copy_paths.json
+    python benchmarks/gpu_copy_paths.py --skip-matrix --hosts registered_huge --out /tmp/after_remap.json
+    python benchmarks/gpu_copy_paths.py --wake --out /tmp/wake.json
 """
 
 from __future__ import annotations
