@@ -39,7 +39,6 @@ from miles_fsm.errors import ConfigError, HostCopyMissingError
 __all__ = ["ChunkedCopier", "HostCopies", "PinnedConfig", "Transfer", "host_buffer"]
 
 _HUGE = 2 << 20
-_LOADS_BY = ("copy_engine", "kernel")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,14 +56,9 @@ class PinnedConfig:
     #: Back host buffers with transparent huge pages (where the kernel allows them):
     #: fewer page faults when a buffer is first filled.
     huge_pages: bool = True
-    #: Who moves a load's bytes: ``"copy_engine"`` (DMA) or ``"kernel"`` (an SM kernel
-    #: reading the pinned host buffer at its unified address; see ``ChunkedCopier``).
-    loads_by: str = "copy_engine"
 
     def __post_init__(self) -> None:
         problems = []
-        if self.loads_by not in _LOADS_BY:
-            problems.append(f"loads_by must be one of {', '.join(_LOADS_BY)}, got {self.loads_by!r}")
         if self.chunk_bytes < 1 << 20:
             problems.append(f"chunk_bytes must be >= 1 MiB, got {self.chunk_bytes}")
         if self.streams < 1:
@@ -278,7 +272,7 @@ class HostCopies:
             for s in streams:
                 s.wait_stream(current)
             with torch.cuda.device(device):
-                ChunkedCopier(streams, self.config.chunk_bytes, loads_by=self.config.loads_by).copy(group)
+                ChunkedCopier(streams, self.config.chunk_bytes).copy(group)
             # Later work on the current stream sees the copied bytes.
             for s in streams:
                 current.wait_stream(s)
@@ -314,66 +308,27 @@ class ChunkedCopier:
     Small tensors' launch latency overlaps with the big ones' transfer, and
     the DMA engines never idle between tensors. The caller orders the
     streams against its own work.
-
-    ``loads_by="kernel"`` moves host-to-device chunks from pinned memory with
-    an elementwise kernel that reads the host buffer through its unified
-    address instead of the copy engines. Measured on an H200
-    (``benchmarks/gpu_copy_paths.py``): for about 50 ms after device memory
-    is mapped, the CUDA driver's own work halves copy-engine H2D, which costs
-    a wake about 45 ms; the kernel is not slowed by it but peaks at 51 GB/s
-    against the copy engines' 55 GB/s.
     """
 
-    def __init__(
-        self, streams: Sequence[torch.cuda.Stream], chunk_bytes: int, *, loads_by: str = "copy_engine"
-    ) -> None:
+    def __init__(self, streams: Sequence[torch.cuda.Stream], chunk_bytes: int) -> None:
         self._streams = list(streams)
         self._chunk = chunk_bytes
-        self._kernel = loads_by == "kernel"
         self._next = 0
 
     def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Queue ``dst.copy_(src)`` for each pair (a pair not contiguous on both sides goes whole)."""
         for dst, src in pairs:
             if not (dst.is_contiguous() and src.is_contiguous()):
-                self._issue(dst, src, kernel=False)
+                self._issue(dst, src)
                 continue
             d, s = _bytes(dst), _bytes(src)
-            kernel = self._kernel and d.is_cuda and not s.is_cuda and s.is_pinned()
             for a in range(0, d.numel(), self._chunk):
-                self._issue(d[a : a + self._chunk], s[a : a + self._chunk], kernel=kernel)
+                self._issue(d[a : a + self._chunk], s[a : a + self._chunk])
 
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, *, kernel: bool) -> None:
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self._streams[self._next % len(self._streams)]):
-            if kernel:
-                _kernel_load(dst, src)
-            else:
-                dst.copy_(src, non_blocking=True)
+            dst.copy_(src, non_blocking=True)
         self._next += 1
-
-
-class _HostArray:
-    """Pinned host bytes as a CUDA array at their unified address (``__cuda_array_interface__``)."""
-
-    def __init__(self, host: torch.Tensor, typestr: str, itemsize: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (host.numel() // itemsize,),
-            "typestr": typestr,
-            "data": (host.data_ptr(), False),
-            "version": 3,
-        }
-
-
-def _kernel_load(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Pinned host bytes ``src`` into device bytes ``dst`` by an elementwise kernel, 4 bytes a lane."""
-    n = dst.numel()
-    wide = n // 4 * 4 if dst.data_ptr() % 4 == 0 and src.data_ptr() % 4 == 0 else 0
-    if wide:
-        view = torch.as_tensor(_HostArray(src[:wide], "<i4", 4), device=dst.device)
-        torch.bitwise_or(view, 0, out=dst[:wide].view(torch.int32))
-    if wide < n:
-        view = torch.as_tensor(_HostArray(src[wide:], "|u1", 1), device=dst.device)
-        torch.bitwise_or(view, 0, out=dst[wide:])
 
 
 def host_buffer(nbytes: int, *, pin: bool, huge_pages: bool = False) -> tuple[torch.Tensor, bool, Any]:

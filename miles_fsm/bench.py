@@ -611,8 +611,7 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                                      "vocab": args.vocab, "build_s": time.perf_counter() - t0},
                            "strategies": {}}
     # One set of pinned buffers for both strategies' drivers.
-    host = HostCopies(config=PinnedConfig(streams=args.copy_streams, chunk_bytes=args.chunk_mib << 20,
-                                          loads_by=args.loads_by))
+    host = HostCopies(config=PinnedConfig(streams=args.copy_streams, chunk_bytes=args.chunk_mib << 20))
     chunks, optimizer = state["chunks"], state["optimizer"]
     for strategy in args.strategies:
         config = MegatronDriverConfig.from_megatron(
@@ -862,8 +861,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=int, default=2)
     g.add_argument("--copy-streams", type=int, default=2, help="CUDA streams the host copies rotate over")
     g.add_argument("--chunk-mib", type=int, default=64, help="size of one host copy chunk, MiB")
-    g.add_argument("--loads-by", choices=("copy_engine", "kernel"), default="copy_engine",
-                   help="who moves the wake's H2D bytes (PinnedConfig.loads_by)")
     c = p.add_argument_group("CPU model (reference trainer)")
     c.add_argument("--cpu-dim", type=int, default=512)
     c.add_argument("--cpu-layers", type=int, default=8)
