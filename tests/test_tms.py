@@ -217,22 +217,22 @@ def test_gpu_host_copies_round_trip_into_remapped_memory(gpu_saver):
 
     chunk = 1 << 20
     host = HostCopies(config=PinnedConfig(chunk_bytes=chunk, streams=2))
-    big = gpu_saver.empty("test_staged", (5 * chunk + 3) // 2, torch.bfloat16)
-    odd = gpu_saver.empty("test_staged", 4099, torch.uint8)
-    other = gpu_saver.empty("test_staged_other", 1 << 22, torch.float32)
+    big = gpu_saver.empty("test_copies", (5 * chunk + 3) // 2, torch.bfloat16)
+    odd = gpu_saver.empty("test_copies", 4099, torch.uint8)
+    other = gpu_saver.empty("test_copies_other", 1 << 22, torch.float32)
     strided = torch.randn(64, 48, device="cuda").t()
     big.normal_()
     odd.random_(0, 255)
     live = {"big": big, "odd": odd, "strided": strided}
     want = {n: t.clone() for n, t in live.items()}
     host.save("state", live, wait=False)
-    gpu_saver.pause("test_staged_other", synchronize=False)
+    gpu_saver.pause("test_copies_other", synchronize=False)
     host.synchronize()
-    gpu_saver.pause("test_staged")
-    gpu_saver.resume("test_staged")
+    gpu_saver.pause("test_copies")
+    gpu_saver.resume("test_copies")
     strided.fill_(0)
     host.load("state", live)
     for name, t in live.items():
         assert torch.equal(t, want[name]), name
-    gpu_saver.resume("test_staged_other")
+    gpu_saver.resume("test_copies_other")
     del other
