@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from miles_fsm.demo import DemoConfig, Injection, run_demo
+from miles_fsm.apps.demo import DemoConfig, Injection, run_demo
 from miles_fsm.states import Strategy
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from miles_fsm.bench import main
+from miles_fsm.apps.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

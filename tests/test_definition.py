@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from miles_fsm import DefinitionError, State, Trigger
-from miles_fsm.diagram import lifecycle_markdown
+from miles_fsm.states.diagram import lifecycle_markdown
 from miles_fsm.states import DEFINITION, Definition, Side, Step, StepKind, Transition
 
 CYCLE = [State.TRAINING, State.OFFLOADED, State.PAUSED, State.REMATERIALIZED, State.SYNCED]

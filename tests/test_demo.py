@@ -14,8 +14,8 @@ import orjson
 import pytest
 from proctable import live_processes
 
-from miles_fsm.cli import main
-from miles_fsm.demo import DemoConfig, Injection, run_demo
+from miles_fsm.apps.cli import main
+from miles_fsm.apps.demo import DemoConfig, Injection, run_demo
 from miles_fsm.states import Strategy
 
 GUARD_S = 3.0

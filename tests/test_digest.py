@@ -66,7 +66,7 @@ def test_released_storage_is_refused_and_hashing_leaves_storage_resizable():
 def test_bench_cli_writes_one_json_with_limits_transitions_and_ratios(tmp_path, assert_no_leftovers):
     """`miles-fsm bench` on CPU (tiny model, no demo): one JSON with the limits, per-transition
     time and bytes, offload/wake ratios and the verification comparison."""
-    from miles_fsm.cli import main
+    from miles_fsm.apps.cli import main
 
     out = tmp_path / "bench.json"
     code = main(["bench", "--out", str(out), "--cycles", "2", "--verified", "1", "--no-demo", "--strategies",

@@ -34,7 +34,7 @@ def test_wheel_installs_and_imports_all_three_packages(tmp_path):
         capture_output=True,
     )
     code = (
-        "import miles_fsm, miles_fsm.states, miles_fsm.drivers, miles_fsm.cli;"
+        "import miles_fsm, miles_fsm.states, miles_fsm.drivers, miles_fsm.apps.cli;"
         "print(miles_fsm.__file__); print(miles_fsm.states.__file__); print(miles_fsm.drivers.__file__)"
     )
     out = subprocess.run(

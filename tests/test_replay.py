@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from miles_fsm import Lifecycle, LifecycleConfig
-from miles_fsm.cli import main
+from miles_fsm.apps.cli import main
 from miles_fsm.diagnosis import diagnose, rank_ranges
 from miles_fsm.perfetto import export_perfetto
 from miles_fsm.replay import render, replay

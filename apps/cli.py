@@ -12,15 +12,15 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 
-#: Subcommand -> one-line help. Each is a module of ``miles_fsm`` defining
+#: Subcommand -> (module, one-line help). Each module defines
 #: ``add_parser(subparsers)``, whose parser sets ``run=callable(args) -> exit code``.
 #: Only the module of the subcommand being run is imported: a fast ``--help``,
 #: and one subcommand's heavy (or broken) imports never take the others down.
 _SUBCOMMANDS = {
-    "bench": "offload/wake and verification against the measured hardware limits, as one JSON file",
-    "demo": "run the colocated RL loop on N local CPU ranks, with optional fault injection",
-    "diagram": "print the lifecycle diagram (Markdown with Mermaid)",
-    "replay": "diagnose a run from its per-rank traces (divergence, stuck, crashed, stragglers)",
+    "bench": ("miles_fsm.apps.bench", "offload/wake and verification against the measured hardware limits, as one JSON file"),
+    "demo": ("miles_fsm.apps.demo", "run the colocated RL loop on N local CPU ranks, with optional fault injection"),
+    "diagram": ("miles_fsm.states.diagram", "print the lifecycle diagram (Markdown with Mermaid)"),
+    "replay": ("miles_fsm.replay", "diagnose a run from its per-rank traces (divergence, stuck, crashed, stragglers)"),
 }
 
 
@@ -31,9 +31,9 @@ def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
         prog="miles-fsm", description="A guarded, traced memory lifecycle for colocated RL trainers."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, help_text in _SUBCOMMANDS.items():
+    for name, (module, help_text) in _SUBCOMMANDS.items():
         if name == chosen:
-            importlib.import_module(f"miles_fsm.{name}").add_parser(sub)
+            importlib.import_module(module).add_parser(sub)
         else:
             sub.add_parser(name, help=help_text)
     return parser

@@ -742,6 +742,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from miles_fsm.cli import main
+    from miles_fsm.apps.cli import main
 
     sys.exit(main(["demo", *sys.argv[1:]]))

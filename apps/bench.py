@@ -434,7 +434,7 @@ def demo_overhead(limits: Mapping[str, Any]) -> dict[str, Any]:
     """Guard + trace overhead per transition in ``miles-fsm demo`` (defaults: 2 ranks, 4 steps), from its traces."""
     import orjson
 
-    from miles_fsm.demo import DemoConfig, run_demo
+    from miles_fsm.apps.demo import DemoConfig, run_demo
 
     out: dict[str, Any] = {}
     for label, kw in (("default", {}), ("dim256_layers4", {"dim": 256, "layers": 4})):
