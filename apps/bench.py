@@ -329,7 +329,7 @@ def _cpu_rank(ctx: Any) -> dict[str, Any]:
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
     from miles_fsm.drivers.reference import ModelConfig, ReferenceTrainer, TrainerConfig
     from miles_fsm.guard import Guard
-    from miles_fsm.lifecycle import Lifecycle
+    from miles_fsm.states.lifecycle import Lifecycle
     from miles_fsm.states import Strategy
 
     kw = ctx.kwargs
@@ -596,7 +596,7 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
     from miles_fsm.drivers.megatron_config import MegatronDriverConfig
     from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
     from miles_fsm.drivers.tms import TmsConfig, TmsMemorySaver
-    from miles_fsm.lifecycle import Lifecycle
+    from miles_fsm.states.lifecycle import Lifecycle
 
     torch.cuda.set_device(0)
     with socket.socket() as s:

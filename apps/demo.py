@@ -181,7 +181,7 @@ def _rank_main(ctx: RankContext) -> dict[str, Any]:
     from miles_fsm.drivers.reference import ModelConfig, TrainerConfig
     from miles_fsm.drivers.reference_engine import EngineConfig, ReferenceEngine
     from miles_fsm.guard import Guard
-    from miles_fsm.lifecycle import Lifecycle
+    from miles_fsm.states.lifecycle import Lifecycle
     from miles_fsm.states import State, Trigger
 
     kw = ctx.kwargs
@@ -297,7 +297,8 @@ def _locate(exc: BaseException, *, rank: int, world: int, guard: Any, trainer: A
     whose master shard they come from; the store says which peers published
     a failure; /proc says which peers' processes are gone.
     """
-    from miles_fsm.errors import FaultLocatedError, VerificationError
+    from miles_fsm.apps.errors import FaultLocatedError
+    from miles_fsm.states.errors import VerificationError
 
     if getattr(exc, "culprits", None) or getattr(exc, "missing", None):
         return None  # the guard already named it

@@ -160,7 +160,7 @@ def run_strategy(state: dict[str, Any], memory: TmsMemory, strategy: str, cycles
     from miles_fsm.digest import digest_tensors
     from miles_fsm.drivers.megatron import MegatronTrainer
     from miles_fsm.drivers.megatron_config import MegatronDriverConfig
-    from miles_fsm.lifecycle import Lifecycle
+    from miles_fsm.states.lifecycle import Lifecycle
 
     chunks, optimizer = state["chunks"], state["optimizer"]
     config = MegatronDriverConfig.from_megatron(chunks, optimizer, strategy=strategy, ci=True)

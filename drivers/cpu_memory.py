@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from miles_fsm.errors import MemoryTagError
+from miles_fsm.states.errors import MemoryTagError
 
 __all__ = ["POISON_BYTE", "CpuMemorySaver", "MemorySaver", "Region"]
 

@@ -57,14 +57,9 @@ from torch.overrides import TorchFunctionMode
 
 from miles_fsm.drivers.megatron_config import MegatronDriverConfig, megatron_facts
 from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
-from miles_fsm.drivers.protocols import StepReport
-from miles_fsm.errors import (
-    BufferRoutingError,
-    ConfigError,
-    HostCopyMissingError,
-    IneligibleModelError,
-    MemoryReleasedError,
-)
+from miles_fsm.states.protocols import StepReport
+from miles_fsm.drivers.errors import BufferRoutingError, HostCopyMissingError, IneligibleModelError
+from miles_fsm.errors import ConfigError, MemoryReleasedError
 from miles_fsm.plan import Collective, TensorSet
 from miles_fsm.states import Step, StepKind, Strategy
 

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from miles_fsm.errors import ConfigError, HostCopyMissingError
+from miles_fsm.drivers.errors import HostCopyMissingError
+from miles_fsm.errors import ConfigError
 
 __all__ = ["ChunkedCopier", "HostCopies", "PinnedConfig", "Transfer", "host_buffer"]
 

@@ -36,8 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver, MemorySaver
-from miles_fsm.drivers.protocols import StepReport
-from miles_fsm.errors import ConfigError, IneligibleModelError, MemoryReleasedError
+from miles_fsm.states.protocols import StepReport
+from miles_fsm.drivers.errors import IneligibleModelError
+from miles_fsm.errors import ConfigError, MemoryReleasedError
 from miles_fsm.plan import Collective, TensorSet
 from miles_fsm.states import TRAINER_TAGS, Step, StepKind, Strategy
 

@@ -28,19 +28,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from miles_fsm.errors import (
-    ConfigError,
-    EngineRequestError,
-    EngineSessionError,
-    EngineUpdateError,
-    MemoryTagError,
-    WeightVersionError,
-)
+from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError, EngineUpdateError
+from miles_fsm.errors import ConfigError
+from miles_fsm.states.errors import MemoryTagError, WeightVersionError
 
 if TYPE_CHECKING:
     import torch
 
-    from miles_fsm.drivers.protocols import StepReport
+    from miles_fsm.states.protocols import StepReport
     from miles_fsm.plan import Collective
     from miles_fsm.states import Step
 
@@ -289,7 +284,7 @@ class SGLangEngineDriver:
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str) -> StepReport | None:
         """Push ``named`` to every engine in one session each, set ``version``, read it back."""
-        from miles_fsm.drivers.protocols import StepReport
+        from miles_fsm.states.protocols import StepReport
 
         named = list(named)
         if self._open_sessions:

@@ -16,12 +16,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from miles_fsm.errors import (
-    ConfigError,
-    EngineRequestError,
-    EngineSessionError,
-    MissingDependencyError,
-)
+from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError
+from miles_fsm.errors import ConfigError, MissingDependencyError
 
 if TYPE_CHECKING:
     import torch

@@ -50,10 +50,11 @@ from miles_fsm.drivers.reference import ModelConfig, ReferenceTrainer, TrainerCo
 from miles_fsm.drivers.reference_engine import EngineConfig, ReferenceEngine
 from miles_fsm.states import State
 
-from miles_fsm.aio import AsyncLifecycle, StateChanges
+from miles_fsm.aio import StateChanges
+from miles_fsm.states.aio import AsyncLifecycle
 from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
 from miles_fsm.launch import RankContext, run_ranks
-from miles_fsm.lifecycle import Lifecycle
+from miles_fsm.states.lifecycle import Lifecycle
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -10,70 +10,167 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AsyncLifecycle": "miles_fsm.aio",
+    "AsyncLifecycle": "miles_fsm.states.aio",
+    "AsyncMachine": "miles_fsm.aio",
     "AsyncSnapshot": "miles_fsm.aio",
-    "BufferRoutingError": "miles_fsm.errors",
+    "BufferRoutingError": "miles_fsm.drivers.errors",
+    "CYCLE": "miles_fsm.states",
     "Collective": "miles_fsm.plan",
     "ConfigError": "miles_fsm.errors",
+    "DEFINITION": "miles_fsm.states",
+    "Definition": "miles_fsm.definition",
     "DefinitionError": "miles_fsm.errors",
-    "EngineRequestError": "miles_fsm.errors",
-    "EngineSessionError": "miles_fsm.errors",
-    "EngineUpdateError": "miles_fsm.errors",
-    "Failure": "miles_fsm.lifecycle",
-    "FaultLocatedError": "miles_fsm.errors",
+    "EngineDriver": "miles_fsm.states.protocols",
+    "EngineRequestError": "miles_fsm.drivers.errors",
+    "EngineSessionError": "miles_fsm.drivers.errors",
+    "EngineUpdateError": "miles_fsm.drivers.errors",
+    "Failure": "miles_fsm.machine",
+    "FaultLocatedError": "miles_fsm.apps.errors",
     "Guard": "miles_fsm.guard",
     "GuardConfig": "miles_fsm.config",
     "GuardError": "miles_fsm.errors",
     "GuardTimeoutError": "miles_fsm.errors",
-    "HostCopyMissingError": "miles_fsm.errors",
-    "InFlight": "miles_fsm.lifecycle",
-    "IneligibleModelError": "miles_fsm.errors",
+    "HostCopyMissingError": "miles_fsm.drivers.errors",
+    "InFlight": "miles_fsm.machine",
+    "IneligibleModelError": "miles_fsm.drivers.errors",
     "Intent": "miles_fsm.plan",
     "LastSeen": "miles_fsm.errors",
-    "Lifecycle": "miles_fsm.lifecycle",
+    "Lifecycle": "miles_fsm.states.lifecycle",
     "LifecycleConfig": "miles_fsm.config",
+    "Machine": "miles_fsm.machine",
+    "MemoryLedger": "miles_fsm.states.memory",
     "MemoryReleasedError": "miles_fsm.errors",
-    "MemoryTagError": "miles_fsm.errors",
+    "MemoryTagError": "miles_fsm.states.errors",
     "MilesFsmError": "miles_fsm.errors",
     "MissingDependencyError": "miles_fsm.errors",
     "PeerLostError": "miles_fsm.errors",
+    "Plan": "miles_fsm.machine",
+    "PlannedStep": "miles_fsm.machine",
     "RankDivergenceError": "miles_fsm.errors",
     "RankFailedError": "miles_fsm.errors",
     "RecoveryError": "miles_fsm.errors",
-    "ResumeMemoryError": "miles_fsm.errors",
-    "RolloutWindow": "miles_fsm.aio",
+    "ResumeMemoryError": "miles_fsm.drivers.errors",
+    "RolloutWindow": "miles_fsm.states.aio",
     "Side": "miles_fsm.states",
-    "Snapshot": "miles_fsm.lifecycle",
+    "Snapshot": "miles_fsm.states.lifecycle",
     "State": "miles_fsm.states",
     "StateChange": "miles_fsm.aio",
     "StateChanges": "miles_fsm.aio",
     "Step": "miles_fsm.states",
     "StepKind": "miles_fsm.states",
-    "StepResult": "miles_fsm.lifecycle",
+    "StepReport": "miles_fsm.states.protocols",
+    "StepResult": "miles_fsm.machine",
     "Strategy": "miles_fsm.states",
     "TensorSet": "miles_fsm.plan",
-    "TensorSetChangedError": "miles_fsm.errors",
+    "TensorSetChangedError": "miles_fsm.states.errors",
     "TensorSpec": "miles_fsm.plan",
+    "TrainerDriver": "miles_fsm.states.protocols",
+    "Transition": "miles_fsm.definition",
     "TransitionCancelled": "miles_fsm.errors",
     "TransitionNotAllowed": "miles_fsm.errors",
-    "TransitionResult": "miles_fsm.lifecycle",
+    "TransitionResult": "miles_fsm.machine",
     "Trigger": "miles_fsm.states",
-    "VerificationError": "miles_fsm.errors",
+    "VerificationError": "miles_fsm.states.errors",
     "VerifyConfig": "miles_fsm.config",
-    "WeightVersionError": "miles_fsm.errors",
+    "WeightVersionError": "miles_fsm.states.errors",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
-    from miles_fsm.aio import AsyncLifecycle, AsyncSnapshot, RolloutWindow, StateChange, StateChanges
-    from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
-    from miles_fsm.errors import BufferRoutingError, ConfigError, DefinitionError, EngineRequestError, EngineSessionError, EngineUpdateError, FaultLocatedError, GuardError, GuardTimeoutError, HostCopyMissingError, IneligibleModelError, LastSeen, MemoryReleasedError, MemoryTagError, MilesFsmError, MissingDependencyError, PeerLostError, RankDivergenceError, RankFailedError, RecoveryError, ResumeMemoryError, TensorSetChangedError, TransitionCancelled, TransitionNotAllowed, VerificationError, WeightVersionError
-    from miles_fsm.guard import Guard
-    from miles_fsm.lifecycle import Failure, InFlight, Lifecycle, Snapshot, StepResult, TransitionResult
-    from miles_fsm.plan import Collective, Intent, TensorSet, TensorSpec
-    from miles_fsm.states import Side, State, Step, StepKind, Strategy, Trigger
-
+    from miles_fsm.aio import (  # noqa: F401
+        AsyncMachine,
+        AsyncSnapshot,
+        StateChange,
+        StateChanges,
+    )
+    from miles_fsm.apps.errors import (  # noqa: F401
+        FaultLocatedError,
+    )
+    from miles_fsm.config import (  # noqa: F401
+        GuardConfig,
+        LifecycleConfig,
+        VerifyConfig,
+    )
+    from miles_fsm.definition import (  # noqa: F401
+        Definition,
+        Transition,
+    )
+    from miles_fsm.drivers.errors import (  # noqa: F401
+        BufferRoutingError,
+        EngineRequestError,
+        EngineSessionError,
+        EngineUpdateError,
+        HostCopyMissingError,
+        IneligibleModelError,
+        ResumeMemoryError,
+    )
+    from miles_fsm.errors import (  # noqa: F401
+        ConfigError,
+        DefinitionError,
+        GuardError,
+        GuardTimeoutError,
+        LastSeen,
+        MemoryReleasedError,
+        MilesFsmError,
+        MissingDependencyError,
+        PeerLostError,
+        RankDivergenceError,
+        RankFailedError,
+        RecoveryError,
+        TransitionCancelled,
+        TransitionNotAllowed,
+    )
+    from miles_fsm.guard import (  # noqa: F401
+        Guard,
+    )
+    from miles_fsm.machine import (  # noqa: F401
+        Failure,
+        InFlight,
+        Machine,
+        Plan,
+        PlannedStep,
+        StepResult,
+        TransitionResult,
+    )
+    from miles_fsm.plan import (  # noqa: F401
+        Collective,
+        Intent,
+        TensorSet,
+        TensorSpec,
+    )
+    from miles_fsm.states import (  # noqa: F401
+        CYCLE,
+        DEFINITION,
+        Side,
+        State,
+        Step,
+        StepKind,
+        Strategy,
+        Trigger,
+    )
+    from miles_fsm.states.aio import (  # noqa: F401
+        AsyncLifecycle,
+        RolloutWindow,
+    )
+    from miles_fsm.states.errors import (  # noqa: F401
+        MemoryTagError,
+        TensorSetChangedError,
+        VerificationError,
+        WeightVersionError,
+    )
+    from miles_fsm.states.lifecycle import (  # noqa: F401
+        Lifecycle,
+        Snapshot,
+    )
+    from miles_fsm.states.memory import (  # noqa: F401
+        MemoryLedger,
+    )
+    from miles_fsm.states.protocols import (  # noqa: F401
+        EngineDriver,
+        StepReport,
+        TrainerDriver,
+    )
 
 def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)

@@ -24,9 +24,7 @@ this rank's lock.
 
 from __future__ import annotations
 
-import enum
 import sys
-import threading
 import time
 import weakref
 from collections import deque
@@ -40,14 +38,15 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-from miles_fsm.errors import RankFailedError, TransitionCancelled, TransitionNotAllowed, describe
-from miles_fsm.lifecycle import Failure, InFlight, Lifecycle, Snapshot, TransitionResult
-from miles_fsm.states import DEFINITION, State, Trigger
+from miles_fsm.aio_gate import Gate, Phase, Ticket, cuda_device, deliver, wait_shielded
+from miles_fsm.errors import RankFailedError, TransitionNotAllowed, describe
+from miles_fsm.machine import Failure, InFlight, TransitionResult
+from miles_fsm.schema import CANCEL_DEFERRED
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-__all__ = ["AsyncLifecycle", "AsyncSnapshot", "RolloutWindow", "StateChange", "StateChanges"]
+__all__ = ["AsyncMachine", "AsyncSnapshot", "StateChange", "StateChanges"]
 
 #: Worker threads this API may hold at once per rank: the transition, plus
 #: short-lived waiters for a transition whose awaiting task was cancelled.
@@ -63,9 +62,9 @@ class StateChange:
     FAILED; ``result`` when a transition finished.
     """
 
-    source: State
-    dest: State
-    trigger: Trigger | None
+    source: Any
+    dest: Any
+    trigger: Any | None
     epoch: int
     result: TransitionResult | None = None
     error: BaseException | None = None
@@ -73,15 +72,8 @@ class StateChange:
 
     @property
     def failed(self) -> bool:
-        return self.dest is State.FAILED
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RolloutWindow:
-    """What ``AsyncLifecycle.rollout()`` yields: the cycle and how the engine got the GPU."""
-
-    epoch: int
-    entered: tuple[TransitionResult, ...]
+        """The rank went to the failed state (only such a change carries an error)."""
+        return self.error is not None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,14 +85,14 @@ class AsyncSnapshot:
     ``queued`` are the callers waiting behind it, oldest first.
     """
 
-    lifecycle: Snapshot
+    lifecycle: Any
     running: str | None
     running_since_mono: float | None
     queued: tuple[str, ...]
     watchers: int
 
     @property
-    def state(self) -> State:
+    def state(self) -> Any:
         return self.lifecycle.state
 
     @property
@@ -112,16 +104,14 @@ class AsyncSnapshot:
         return self.lifecycle.in_flight
 
     @property
-    def trainer_paused(self) -> frozenset[str]:
-        return self.lifecycle.trainer_paused
-
-    @property
-    def engine_released(self) -> frozenset[str]:
-        return self.lifecycle.engine_released
-
-    @property
     def failure(self) -> Failure | None:
         return self.lifecycle.failure
+
+    def __getattr__(self, name: str) -> Any:
+        # The owner's own facts (the lifecycle's paused tags, say) read through.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.lifecycle, name)
 
     def __str__(self) -> str:
         s = self.lifecycle
@@ -135,8 +125,9 @@ class AsyncSnapshot:
             parts.append(f"lock held by {self.running} for {now - self.running_since_mono:.3f} s")
         if self.queued:
             parts.append("queued: " + ", ".join(self.queued))
-        parts.append(f"trainer paused [{', '.join(sorted(s.trainer_paused))}]")
-        parts.append(f"engine released [{', '.join(sorted(s.engine_released))}]")
+        details = getattr(s, "details", None)
+        if details is not None:
+            parts.extend(details())
         if s.failure is not None:
             parts.append(f"failed in {s.failure.trigger.value}: {type(s.failure.error).__name__}")
         return "; ".join(parts)
@@ -150,7 +141,7 @@ class StateChanges:
     change published after its creation, in order; none is dropped.
     """
 
-    def __init__(self, owner: AsyncLifecycle) -> None:
+    def __init__(self, owner: AsyncMachine) -> None:
         self._owner = owner
         self._queue: deque[StateChange] = deque()
         self._wakeup: anyio.Event | None = None
@@ -190,89 +181,14 @@ class StateChanges:
         return self._queue.popleft()
 
 
-class _Phase(enum.Enum):
-    IDLE = "idle"  # the worker thread has not started
-    RUNNING = "running"  # planning; still abandonable
-    COMMITTED = "committed"  # past the point of no return
-    CANCELLED = "cancelled"  # abandoned before the point of no return
-    DONE = "done"
+class AsyncMachine:
+    """The async face of one rank's machine. Build one per rank, and use it from one event loop.
 
-
-class _CancelledBeforeGuard(Exception):
-    """Raised by the before_guard hook; the lifecycle turns it into ``TransitionCancelled``."""
-
-    def __init__(self) -> None:
-        super().__init__("the task awaiting this transition was cancelled before its guard")
-
-
-class _Gate:
-    """One call's point of no return, decided under a lock shared by the thread and the loop.
-
-    Whoever takes the lock first wins: the hook (commit) or the cancelling
-    task (cancel). So a cancel either abandons the transition before any
-    collective, or finds it committed and waits for its end; never in between.
-    """
-
-    def __init__(self, *, commit_at_start: bool) -> None:
-        # Read in the event loop's thread: the worker thread has no async library set.
-        self._cancelled_exc = anyio.get_cancelled_exc_class()
-        self._lock = threading.Lock()
-        self._phase = _Phase.IDLE
-        self._commit_at_start = commit_at_start
-        self.done = threading.Event()
-        self.ran = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def enter(self) -> bool:
-        with self._lock:
-            if self._phase is _Phase.CANCELLED:
-                return False
-            self._phase = _Phase.COMMITTED if self._commit_at_start else _Phase.RUNNING
-            self.ran = True
-            return True
-
-    def commit(self) -> None:
-        """The ``before_guard`` hook, run in the worker thread."""
-        with self._lock:
-            if self._phase is not _Phase.CANCELLED:
-                try:
-                    # A cancel scope cancelled a moment ago, before the awaiting
-                    # task has even been woken: still in time to abandon.
-                    anyio.from_thread.check_cancelled()
-                except self._cancelled_exc:
-                    self._phase = _Phase.CANCELLED
-            if self._phase is _Phase.CANCELLED:
-                raise _CancelledBeforeGuard
-            self._phase = _Phase.COMMITTED
-
-    def finish(self) -> None:
-        with self._lock:
-            self._phase = _Phase.DONE
-        self.done.set()
-
-    def cancel(self) -> _Phase:
-        """Abandon the call if it is not committed; return the phase it was in."""
-        with self._lock:
-            prior = self._phase
-            if prior in (_Phase.IDLE, _Phase.RUNNING):
-                self._phase = _Phase.CANCELLED
-            return prior
-
-    @property
-    def abandoned(self) -> bool:
-        """True when the hook refused: the transition ended as ``TransitionCancelled``, by us."""
-        return isinstance(self.error, TransitionCancelled) and isinstance(self.error.__cause__, _CancelledBeforeGuard)
-
-
-@dataclass(slots=True)
-class _Ticket:
-    label: str
-    since_mono: float
-
-
-class AsyncLifecycle:
-    """The async face of one rank's ``Lifecycle``. Build one per rank, and use it from one event loop.
+    It drives any owner that exposes ``fire(trigger, before_guard=)``,
+    ``recover(to)``, ``definition``, ``state``, ``epoch``, ``rank``,
+    ``failure``, ``allowed()``, ``snapshot()`` and ``tracer``: the colocated
+    ``Lifecycle`` is one (``miles_fsm.states.AsyncLifecycle`` adds its named
+    triggers and the rollout window).
 
     Every trigger fired through it is serialized by a per-rank lock (FIFO) and
     published to ``changes()`` iterators and ``wait_for`` waiters. Transitions
@@ -280,11 +196,12 @@ class AsyncLifecycle:
     thread lock of its own) but are not published.
     """
 
-    def __init__(self, lifecycle: Lifecycle) -> None:
+    def __init__(self, lifecycle: Any) -> None:
         self._lc = lifecycle
+        self._definition = lifecycle.definition
         self._subscribers: weakref.WeakSet[StateChanges] = weakref.WeakSet()
-        self._queued: list[_Ticket] = []
-        self._running: _Ticket | None = None
+        self._queued: list[Ticket] = []
+        self._running: Ticket | None = None
         # Created on first use, inside the event loop they belong to.
         self._lock: anyio.Lock | None = None
         self._limiter: anyio.CapacityLimiter | None = None
@@ -292,11 +209,11 @@ class AsyncLifecycle:
     # ------------------------------------------------------------------ facts
 
     @property
-    def lifecycle(self) -> Lifecycle:
+    def lifecycle(self) -> Any:
         return self._lc
 
     @property
-    def state(self) -> State:
+    def state(self) -> Any:
         return self._lc.state
 
     @property
@@ -320,41 +237,23 @@ class AsyncLifecycle:
 
     # --------------------------------------------------------------- triggers
 
-    async def fire(self, trigger: Trigger | str) -> TransitionResult:
+    async def fire(self, trigger: Any) -> TransitionResult:
         """Run one transition in a worker thread, after any queued before it."""
-        trigger = Trigger(trigger)
+        trigger = self._definition.triggers(trigger)
         async with self._turn(trigger.value):
             return await self._fire_locked(trigger)
 
-    async def start(self) -> TransitionResult:
-        return await self.fire(Trigger.START)
-
-    async def offload(self) -> TransitionResult:
-        return await self.fire(Trigger.OFFLOAD)
-
-    async def pause(self) -> TransitionResult:
-        return await self.fire(Trigger.PAUSE)
-
-    async def rematerialize(self) -> TransitionResult:
-        return await self.fire(Trigger.REMATERIALIZE)
-
-    async def sync(self) -> TransitionResult:
-        return await self.fire(Trigger.SYNC)
-
-    async def resume(self) -> TransitionResult:
-        return await self.fire(Trigger.RESUME)
-
-    async def advance_to(self, state: State | str) -> tuple[TransitionResult, ...]:
-        """Fire the triggers along the cycle until the rank is in ``state``; hold the lock throughout.
+    async def advance_to(self, state: Any) -> tuple[TransitionResult, ...]:
+        """Fire the triggers along the table until the rank is in ``state``; hold the lock throughout.
 
         Each transition follows the cancellation rule on its own: a
         cancellation stops the walk after the transition it arrived in.
         """
-        target = State(state)
+        target = self._definition.states(state)
         async with self._turn(f"advance_to({target.value})"):
             results: list[TransitionResult] = []
             while self._lc.state is not target:
-                path = _path(self._lc.state, target)
+                path = self._definition.path(self._lc.state, target)
                 if not path:
                     failure = self._lc.failure
                     raise TransitionNotAllowed(
@@ -366,12 +265,12 @@ class AsyncLifecycle:
                 results.append(await self._fire_locked(path[0]))
             return tuple(results)
 
-    async def recover(self, to: State | str) -> None:
-        """``Lifecycle.recover`` in a worker thread. Once started it is never abandoned."""
-        target = State(to)
+    async def recover(self, to: Any) -> None:
+        """The owner's ``recover`` in a worker thread. Once started it is never abandoned."""
+        target = self._definition.states(to)
         async with self._turn(f"recover({target.value})"):
             source = self._lc.state
-            gate = _Gate(commit_at_start=True)
+            gate = Gate(commit_at_start=True)
             cancel = await self._call(lambda: self._lc.recover(target), gate)
             if gate.ran and gate.error is None:
                 self._publish(
@@ -379,7 +278,7 @@ class AsyncLifecycle:
                         source=source, dest=target, trigger=None, epoch=self._lc.epoch, at_mono=time.monotonic()
                     )
                 )
-            _deliver(gate, cancel)
+            deliver(gate, cancel)
 
     # ------------------------------------------------------------------ waits
 
@@ -387,20 +286,20 @@ class AsyncLifecycle:
         """An async iterator of the changes published from now on (see ``StateChanges``)."""
         return StateChanges(self)
 
-    async def wait_for(self, state: State | str) -> None:
+    async def wait_for(self, state: Any) -> None:
         """Return once the rank is in ``state``, or has reached it since this call began.
 
         Raises ``RankFailedError`` if the rank is or goes FAILED first (unless
         ``state`` is FAILED): a waiter is never left hanging on a dead rank.
         Another task may move the rank on before the waiter runs again.
         """
-        target = State(state)
+        target = self._definition.states(state)
         with self.changes() as changes:
             current = self._lc.state
             if current is target:
                 await anyio.lowlevel.checkpoint()
                 return
-            if current is State.FAILED:
+            if current is self._definition.failed:
                 await anyio.lowlevel.checkpoint()
                 raise self._failed_error(target)
             async for change in changes:
@@ -408,38 +307,6 @@ class AsyncLifecycle:
                     return
                 if change.failed:
                     raise self._failed_error(target)
-
-    @asynccontextmanager
-    async def rollout(self) -> AsyncIterator[RolloutWindow]:
-        """Give the GPU to the engine for the body, and take it back afterwards.
-
-        Entering: offload, then pause (the push of weights happens there), from
-        TRAINING or OFFLOADED. Leaving: rematerialize, sync, resume, back to
-        TRAINING, also when the body raises or is cancelled. Leaving is
-        shielded: every rank leaves its window, and a rank that abandoned
-        its way back would make all the others fail their guard. Its wait is
-        still bounded, by the guard timeout.
-        """
-        if self._lc.state not in (State.TRAINING, State.OFFLOADED):
-            await anyio.lowlevel.checkpoint()
-            failure = self._lc.failure
-            raise TransitionNotAllowed(
-                self._lc.state.value,
-                "rollout",
-                [t.value for t in self._lc.allowed()],
-                failure.error if failure else None,
-            )
-        entered = await self.advance_to(State.PAUSED)
-        window = RolloutWindow(epoch=self._lc.epoch, entered=entered)
-        try:
-            yield window
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                if self._lc.state is not State.FAILED:
-                    await self.advance_to(State.TRAINING)
-            raise
-        with anyio.CancelScope(shield=True):
-            await self.advance_to(State.TRAINING)
 
     # -------------------------------------------------------------- internals
 
@@ -452,7 +319,7 @@ class AsyncLifecycle:
     @asynccontextmanager
     async def _turn(self, label: str) -> AsyncIterator[None]:
         lock, _ = self._primitives()
-        ticket = _Ticket(label, time.monotonic())
+        ticket = Ticket(label, time.monotonic())
         self._queued.append(ticket)
         try:
             await lock.acquire()  # cancellable: nothing has started
@@ -466,10 +333,10 @@ class AsyncLifecycle:
             self._running = None
             lock.release()
 
-    async def _fire_locked(self, trigger: Trigger) -> TransitionResult:
+    async def _fire_locked(self, trigger: Any) -> TransitionResult:
         lc = self._lc
         source = lc.state
-        gate = _Gate(commit_at_start=False)
+        gate = Gate(commit_at_start=False)
         cancel = await self._call(lambda: lc.fire(trigger, before_guard=gate.commit), gate)
         if gate.ran and not gate.abandoned:
             if gate.error is None:
@@ -484,23 +351,23 @@ class AsyncLifecycle:
                         at_mono=time.monotonic(),
                     )
                 )
-            elif lc.state is State.FAILED and source is not State.FAILED:
+            elif lc.state is self._definition.failed and source is not self._definition.failed:
                 failure = lc.failure
                 self._publish(
                     StateChange(
                         source=source,
-                        dest=State.FAILED,
+                        dest=self._definition.failed,
                         trigger=trigger,
                         epoch=failure.epoch if failure else lc.epoch,
                         error=gate.error,
                         at_mono=time.monotonic(),
                     )
                 )
-        _deliver(gate, cancel)
+        deliver(gate, cancel)
         value: TransitionResult = gate.value
         return value
 
-    async def _call(self, fn: Callable[[], Any], gate: _Gate) -> BaseException | None:
+    async def _call(self, fn: Callable[[], Any], gate: Gate) -> BaseException | None:
         """Run ``fn`` in a worker thread under ``gate``; return the cancellation to deliver, if any.
 
         The thread is started abandonable, so that any cancellation (an anyio
@@ -511,7 +378,7 @@ class AsyncLifecycle:
         shielded, and the caller delivers the cancellation afterwards.
         """
         _, limiter = self._primitives()
-        device = _cuda_device()
+        device = cuda_device()
 
         def work() -> None:
             if not gate.enter():
@@ -533,18 +400,18 @@ class AsyncLifecycle:
                 await anyio.lowlevel.checkpoint_if_cancelled()
         except anyio.get_cancelled_exc_class() as cancel:
             prior = gate.cancel()
-            if prior is _Phase.COMMITTED:
+            if prior is Phase.COMMITTED:
                 in_flight = self._lc.snapshot().in_flight
                 self._lc.tracer.emit(
-                    "cancel_deferred",
+                    CANCEL_DEFERRED,
                     epoch=in_flight.epoch if in_flight else self._lc.epoch,
                     trigger=in_flight.trigger.value if in_flight else None,
                     state=self._lc.state.value,
                     phase=in_flight.phase if in_flight else None,
                     action=in_flight.step if in_flight else None,
                 )
-            if prior is not _Phase.IDLE:
-                await _wait_shielded(gate.done, limiter)
+            if prior is not Phase.IDLE:
+                await wait_shielded(gate.done, limiter)
             return cancel
         return None
 
@@ -552,7 +419,7 @@ class AsyncLifecycle:
         for sub in list(self._subscribers):
             sub._push(change)
 
-    def _failed_error(self, target: State) -> RankFailedError:
+    def _failed_error(self, target: Any) -> RankFailedError:
         failure = self._lc.failure
         if failure is None:  # FAILED without a recorded failure cannot happen; say so rather than guess
             return RankFailedError(
@@ -572,54 +439,3 @@ class AsyncLifecycle:
             step=failure.step,
             cause=f"{d.get('error')}: {d.get('message')}",
         )
-
-
-def _deliver(gate: _Gate, cancel: BaseException | None) -> None:
-    """Raise what the caller must see, in order of importance.
-
-    A committed transition that failed raises its error even when the task was
-    cancelled meanwhile: a FAILED rank matters more, and the cancellation
-    stays attached as its context. Otherwise the cancellation, if any.
-    """
-    if gate.error is not None and not gate.abandoned:
-        if cancel is not None and hasattr(gate.error, "add_note"):
-            gate.error.add_note("miles-fsm: the awaiting task was cancelled while this transition ran")
-        raise gate.error
-    if cancel is not None:
-        raise cancel
-    if gate.error is not None:  # abandoned without a cancellation: cannot happen, never hide it
-        raise gate.error
-
-
-async def _wait_shielded(done: threading.Event, limiter: anyio.CapacityLimiter) -> None:
-    with anyio.CancelScope(shield=True):
-        while not done.is_set():
-            try:
-                await anyio.to_thread.run_sync(done.wait, limiter=limiter)
-            except anyio.get_cancelled_exc_class():
-                # Only a native asyncio cancel reaches through a shield. The
-                # transition is still running: keep waiting; the caller
-                # delivers the first cancellation once it is done.
-                continue
-
-
-def _cuda_device() -> int | None:
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return None
-    return int(torch.cuda.current_device())
-
-
-def _path(source: State, dest: State) -> tuple[Trigger, ...]:
-    """The shortest trigger sequence from ``source`` to ``dest`` in the table; () if none."""
-    frontier: deque[tuple[State, tuple[Trigger, ...]]] = deque([(source, ())])
-    seen = {source}
-    while frontier:
-        state, path = frontier.popleft()
-        for t in DEFINITION.transitions:
-            if t.source is state and t.dest not in seen:
-                if t.dest is dest:
-                    return (*path, t.trigger)
-                seen.add(t.dest)
-                frontier.append((t.dest, (*path, t.trigger)))
-    return ()

@@ -19,6 +19,7 @@ from typing import Any
 from miles_fsm import stalls
 from miles_fsm.divergence import first_divergence
 from miles_fsm.ranks import plural_ranks, rank_ranges
+from miles_fsm.schema import error_fields
 from miles_fsm.trace_reader import FAILED as OUT_FAILED
 from miles_fsm.trace_reader import FINISHED, RankTrace
 
@@ -190,9 +191,7 @@ def diagnose(
         if f["verification"]:
             continue
         # A peer's crash or hang shows up on the survivors as a failed collective: a consequence.
-        consequence = stopped_at is not None and stopped_at <= f["position"] and bool(
-            stalls.PEER_LOST.search(f["message"] or "") or stalls.TIMED_OUT.search(f["message"] or "")
-        )
+        consequence = stopped_at is not None and stopped_at <= f["position"] and f["transport"] is not None
         problems.append(
             _Problem(
                 verdict=Verdict.CRASHED,
@@ -330,6 +329,7 @@ def _guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
             if n.event != "guard_failed":
                 continue
             rec = n.record
+            fields = error_fields(rec)
             key = (n.position, rec.get("error") or "?")
             g = grouped.get(key)
             if g is None:
@@ -340,13 +340,14 @@ def _guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
                     "error": rec.get("error"),
                     "ranks": [],
                     "missing": set(),
-                    "field": rec.get("field"),
-                    "culprits": rec.get("culprits"),
-                    "groups": rec.get("groups"),
+                    "field": fields.get("field"),
+                    "culprits": fields.get("culprits"),
+                    "groups": fields.get("groups"),
+                    "detail": fields.get("detail"),
                     "message": _first_line(rec.get("message") or ""),
                 }
             g["ranks"].append(t.rank)
-            g["missing"].update(rec.get("missing") or ())
+            g["missing"].update(fields.get("missing") or ())
     out = []
     for g in sorted(grouped.values(), key=lambda g: (g["position"], str(g["error"]))):
         g["ranks"].sort()
@@ -396,6 +397,7 @@ def _step_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
                     "action": rec.get("action"),
                     "error": rec.get("error"),
                     "message": rec.get("message"),
+                    "transport": rec.get("transport"),
                     "verification": rec.get("error") in _VERIFY_ERRORS,
                 }
             )

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles_fsm.ranks import plural_ranks
+from miles_fsm.schema import error_fields
 from miles_fsm.trace_reader import RankTrace
 
 #: Intent fields, in the order a divergence names the first that differs.
@@ -136,12 +137,10 @@ def _guard_report(traces: Sequence[RankTrace], position: int) -> dict[str, Any] 
     for t in traces:
         for n in t.notes:
             if n.position == position and n.event == "guard_failed" and n.record.get("error") == "RankDivergenceError":
-                rec = n.record
-                lines = (rec.get("message") or "").splitlines()[1:]
-                detail = [x.strip() for x in lines if x.startswith("  ") and not x.strip().startswith("ranks [")
-                          or "lack" in x]
-                return {"field": rec.get("field"), "groups": rec.get("groups"), "culprits": rec.get("culprits"),
-                        "detail": detail, "rank": t.rank}
+                fields = error_fields(n.record)
+                detail = [d for d in str(fields.get("detail") or "").split("; ") if d]
+                return {"field": fields.get("field"), "groups": fields.get("groups"),
+                        "culprits": fields.get("culprits"), "detail": detail, "rank": t.rank}
     return None
 
 

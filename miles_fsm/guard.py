@@ -21,12 +21,7 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from miles_fsm.errors import (
-    GuardTimeoutError,
-    LastSeen,
-    PeerLostError,
-    RankDivergenceError,
-)
+from miles_fsm.errors import GuardTimeoutError, LastSeen, PeerLostError, RankDivergenceError
 from miles_fsm.plan import Intent
 
 if TYPE_CHECKING:

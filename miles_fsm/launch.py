@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from miles_fsm.errors import MilesFsmError
+
 __all__ = ["RankContext", "RankError", "RankOutcome", "run_ranks"]
 
 
@@ -56,15 +58,9 @@ class RankOutcome:
         return self.exitcode == 0 and self.error is None
 
 
-_ERROR_ATTRS = ("missing", "culprits", "field", "groups", "epoch", "trigger", "mismatched", "params", "violations")
-
-
 def _flatten(exc: BaseException) -> RankError:
-    attrs = {}
-    for name in _ERROR_ATTRS:
-        value = getattr(exc, name, None)
-        if value is not None:
-            attrs[name] = value
+    # A miles-fsm error's facts are its fields; other errors carry none.
+    attrs = {k: v for k, v in exc.fields().items() if v is not None} if isinstance(exc, MilesFsmError) else {}
     return RankError(type(exc).__name__, str(exc), attrs, "".join(traceback.format_exception(exc)))
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from miles_fsm.schema import error_fields
 from miles_fsm.trace_reader import EpochRange, RankTrace, iter_lines
 
 __all__ = ["STATE_TID", "TRANSITION_TID", "export_perfetto"]
@@ -182,7 +183,7 @@ def _export_rank(
             tx.end("guard", ts, {"duration_s": rec.get("duration_s")})
         elif event == "guard_failed":
             tx.instant(f"guard failed: {rec.get('error')}", ts, "failure",
-                       {k: rec.get(k) for k in ("error", "message", "missing", "culprits", "field", "groups")})
+                       {"error": rec.get("error"), "message": rec.get("message"), **error_fields(rec)})
             tx.end("guard", ts, {"failed": rec.get("error")})
         elif event == "action_started":
             tx.begin(str(rec.get("action")), ts, "action", {"mem_before": rec.get("mem_before")})

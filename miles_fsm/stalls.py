@@ -6,7 +6,6 @@ report says they are an estimate. Used by ``miles_fsm.diagnosis``.
 
 from __future__ import annotations
 
-import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -18,10 +17,8 @@ _CORE_EVENTS = frozenset(
     ("guard_failed", "verify_failed", "store_unreachable", "transition_failed", "transition_cancelled", "recovered")
 )
 
-PEER_LOST = re.compile(
-    r"connection (?:closed|reset) by peer|remote worker crash|peer (?:lost|closed)|broken pipe", re.I
-)
-TIMED_OUT = re.compile(r"timed? ?out|timeout", re.I)
+#: A failed collective's ``transport`` (judged by the writer) -> how it accuses the silent rank.
+_TRANSPORT = {"peer_lost": "lost", "timeout": "timeout"}
 
 
 def located(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
@@ -66,8 +63,7 @@ def accusations(
     silent = {t.rank: t.open.index for t in traces if t.open is not None}
     grouped: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
     for f in failures:
-        message = f["message"] or ""
-        kind = "lost" if PEER_LOST.search(message) else ("timeout" if TIMED_OUT.search(message) else None)
+        kind = _TRANSPORT.get(f["transport"] or "")
         if kind is not None:
             grouped[(f["position"], kind)].append(f)
     for (position, kind), fs in grouped.items():

@@ -7,10 +7,12 @@ other record is parsed with orjson and folded into per-position arrays: the
 n-th transition a rank started is its position n, which is how ranks are
 aligned later, by per-rank order and epoch, never by wall time.
 
-The fold also re-drives the machine definition (``DEFINITION.transition``)
-with the recorded triggers, actions not run, and notes every transition the
-machine forbids. Ranks fold independently, so ``read_ranks`` can spread them
-over processes.
+The fold also re-drives the machine with the recorded triggers, actions not
+run, and notes every transition the machine forbids. The machine is the one
+the trace itself names: ``trace_opened`` carries the writer's transition
+table (``Definition.describe``), so replay needs no copy of the lifecycle's
+code and reads traces of any machine. Ranks fold independently, so
+``read_ranks`` can spread them over processes.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from typing import Any
 
 import orjson
 
-from miles_fsm.states import DEFINITION, State, Strategy, Trigger
+from miles_fsm.schema import TRACE_OPENED
 
 __all__ = [
     "BadLine",
     "EpochRange",
     "Illegal",
+    "MachineTable",
     "Note",
     "Position",
     "RankTrace",
@@ -171,6 +174,8 @@ class RankTrace:
     state: str | None = None
     epoch: int = 0
     open: Position | None = None
+    #: The writer's transition table (None: the trace names none; legality is then not checked).
+    table: MachineTable | None = None
 
     @property
     def positions(self) -> int:
@@ -307,20 +312,30 @@ def iter_lines(path: Path) -> Iterable[tuple[int, bytes, bool]]:
 # ------------------------------------------------------------------- machine
 
 
-def _legal() -> dict[tuple[str, str], tuple[str, dict[str, tuple[str, ...]]]]:
-    """(source, trigger) -> (dest, steps per strategy), from ``DEFINITION.transition``."""
-    table = {}
-    for state in State:
-        for trigger in Trigger:
-            t = DEFINITION.transition(state, trigger)
-            if t is not None:
-                steps = {s.value: tuple(str(x) for x in t.steps_for(s)) for s in Strategy}
-                table[(state.value, trigger.value)] = (t.dest.value, steps)
-    return table
+@dataclass(frozen=True, slots=True)
+class MachineTable:
+    """The writer's transition table, as its ``trace_opened`` record gives it."""
 
+    initial: str
+    failed: str
+    cycle_states: frozenset[str]
+    #: (source, trigger) -> (dest, the steps this rank's plan may run, in order)
+    arrows: dict[tuple[str, str], tuple[str, tuple[str, ...]]]
 
-_LEGAL = _legal()
-_CYCLE = frozenset(s.value for s in State if s.in_cycle)
+    @classmethod
+    def parse(cls, described: Any) -> MachineTable | None:
+        """The table of a ``machine`` field, or None if it is missing or malformed."""
+        try:
+            arrows = {(src, trig): (dest, tuple(str(x) for x in steps))
+                      for src, trig, dest, steps in described["transitions"]}  # fmt: skip
+            initial, failed = str(described["initial"]), str(described["failed"])
+            states = frozenset(str(x) for x in described["states"]) - {initial, failed}
+        except (KeyError, TypeError, ValueError):
+            return None
+        return cls(initial=initial, failed=failed, cycle_states=states, arrows=arrows)
+
+    def allowed(self, state: str | None) -> list[str]:
+        return [trig for (src, trig) in self.arrows if src == state]
 
 
 def _subsequence(part: Sequence[str], whole: Sequence[str]) -> bool:
@@ -362,7 +377,9 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
     cur_guard_s = 0.0
     cur_phase = ""
     cur_rec: dict[str, Any] = {}
-    machine: str | None = DEFINITION.initial.value if epochs is None else None
+    # Where the machine is, re-driven from the records; its table comes with trace_opened.
+    table: MachineTable | None = None
+    machine: str | None = None
     pending: str | None = None
     last_action_line = 0
     last_action = b""
@@ -450,14 +467,17 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                 cur_line, cur_guard, cur_guard_s, cur_phase, cur_rec = lineno, -1, 0.0, "planning", rec
                 if machine is None:
                     machine = source
-                key = (machine, cur_sig)
-                verdict = checked.get(key, _UNCHECKED)
-                if verdict is _UNCHECKED:
-                    verdict = checked[key] = _check(machine, trigger, source, dest, sig[3], t.strategy)
-                if verdict is not None:
-                    illegal(lineno, rec, verdict, len(outcome))
-                legal = _LEGAL.get((machine, trigger))
-                pending = legal[0] if legal is not None and machine == source else dest
+                if table is None:
+                    pending = dest  # no table to check against: the trace is believed
+                else:
+                    key = (machine, cur_sig)
+                    verdict = checked.get(key, _UNCHECKED)
+                    if verdict is _UNCHECKED:
+                        verdict = checked[key] = _check(table, machine, trigger, source, dest, sig[3])
+                    if verdict is not None:
+                        illegal(lineno, rec, verdict, len(outcome))
+                    legal = table.arrows.get((machine, trigger))
+                    pending = legal[0] if legal is not None and machine == source else dest
             elif event == "transition_finished":
                 state = rec.get("state")
                 if cur_line:
@@ -494,24 +514,29 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                 else:
                     illegal(lineno, rec, f"{event} without transition_started", len(outcome) - 1)
                 if event == "transition_failed":
-                    machine = State.FAILED.value
+                    machine = table.failed if table is not None else rec.get("state")
                 pending = None
             elif event in ("guard_failed", "verify_failed", "store_unreachable"):
                 _note(t, bool(cur_line), lineno, event, rec)
             elif event == "recovered":
                 _note(t, bool(cur_line), lineno, event, rec)
                 target = rec.get("state")
-                if machine not in (None, State.FAILED.value):
-                    reason = f"recovered from {machine}, but only FAILED can be recovered from"
+                if table is None:
+                    pass
+                elif machine not in (None, table.failed):
+                    reason = f"recovered from {machine}, but only {table.failed} can be recovered from"
                     illegal(lineno, rec, reason, len(outcome) - 1)
-                elif target not in _CYCLE:
+                elif target not in table.cycle_states:
                     illegal(lineno, rec, f"recovered to {target}, which is not a cycle state", len(outcome) - 1)
                 machine = target
-            elif event == "trace_opened":
+            elif event == TRACE_OPENED:
                 t.opened += 1
                 if t.opened == 1:
                     t.meta = {k: v for k, v in rec.items() if k not in _COMMON}
                     first_rec = rec
+                    table = t.table = MachineTable.parse(t.meta.pop("machine", None))
+                    if epochs is None and machine is None and table is not None:
+                        machine = table.initial
                 if rec.get("rank") != t.rank:
                     t.meta["rank_in_records"] = rec.get("rank")
             else:
@@ -580,22 +605,19 @@ def _track_last(t: RankTrace, rec: dict[str, Any], line: int) -> None:
 
 
 def _check(
-    machine: str | None, trigger: Any, source: Any, dest: Any, steps: tuple[str, ...], strategy: str | None
+    table: MachineTable, machine: str | None, trigger: Any, source: Any, dest: Any, steps: tuple[str, ...]
 ) -> str | None:
     """Why the machine forbids this recorded transition, or None if it allows it."""
-    if machine == State.FAILED.value:
-        return f"{trigger} fired while FAILED (no recover in between)"
-    legal = _LEGAL.get((machine or "", trigger if isinstance(trigger, str) else ""))
+    if machine == table.failed:
+        return f"{trigger} fired while {table.failed} (no recover in between)"
+    legal = table.arrows.get((machine or "", trigger if isinstance(trigger, str) else ""))
     if legal is None:
-        allowed = [t.value for t in DEFINITION.allowed(State(machine))] if machine in State._value2member_map_ else []
+        allowed = table.allowed(machine)
         return f"no arrow for {trigger} out of {machine} (allowed: {', '.join(allowed) or 'none'})"
     if source != machine:
         return f"recorded source {source}, but the machine is in {machine}"
     if dest != legal[0]:
         return f"recorded destination {dest}, but {trigger} leads to {legal[0]}"
-    allowed_steps = legal[1].get(strategy or "") if strategy in legal[1] else None
-    if allowed_steps is None:
-        allowed_steps = tuple(dict.fromkeys(s for v in legal[1].values() for s in v))
-    if not _subsequence(steps, allowed_steps):
-        return f"steps {list(steps)} are not steps of {trigger} ({', '.join(allowed_steps)})"
+    if not _subsequence(steps, legal[1]):
+        return f"steps {list(steps)} are not steps of {trigger} ({', '.join(legal[1])})"
     return None

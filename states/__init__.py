@@ -1,6 +1,15 @@
-"""The colocated lifecycle: ``TRAINING -> OFFLOADED -> PAUSED -> REMATERIALIZED -> SYNCED``."""
+"""The colocated lifecycle: its table, its rules, its actions and the driver protocols.
+
+Built on the engine (``miles_fsm``); the drivers (``miles_fsm.drivers``)
+implement its protocols. Importing this package is light: ``Lifecycle``
+and the protocols resolve on first use, so the table is available to tools
+that never touch torch.
+"""
+
+from typing import TYPE_CHECKING
 
 from miles_fsm.states.definition import (
+    CYCLE,
     DEFINITION,
     ENGINE_TAGS,
     TRAINER_TAGS,
@@ -12,18 +21,54 @@ from miles_fsm.states.definition import (
     Strategy,
     Transition,
     Trigger,
+    lifecycle_definition,
+    steps_for,
 )
 
-__all__ = [
-    "DEFINITION",
-    "ENGINE_TAGS",
-    "TRAINER_TAGS",
-    "Definition",
-    "Side",
-    "State",
-    "Step",
-    "StepKind",
-    "Strategy",
-    "Transition",
-    "Trigger",
-]
+_LAZY = {
+    "AsyncLifecycle": "miles_fsm.states.aio",
+    "EngineDriver": "miles_fsm.states.protocols",
+    "Lifecycle": "miles_fsm.states.lifecycle",
+    "MemoryLedger": "miles_fsm.states.memory",
+    "RolloutWindow": "miles_fsm.states.aio",
+    "Snapshot": "miles_fsm.states.lifecycle",
+    "StepReport": "miles_fsm.states.protocols",
+    "TrainerDriver": "miles_fsm.states.protocols",
+}
+
+__all__ = sorted(
+    [
+        "CYCLE",
+        "DEFINITION",
+        "ENGINE_TAGS",
+        "TRAINER_TAGS",
+        "Definition",
+        "Side",
+        "State",
+        "Step",
+        "StepKind",
+        "Strategy",
+        "Transition",
+        "Trigger",
+        "lifecycle_definition",
+        "steps_for",
+        *_LAZY,
+    ]
+)
+
+if TYPE_CHECKING:
+    from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow
+    from miles_fsm.states.lifecycle import Lifecycle, Snapshot
+    from miles_fsm.states.memory import MemoryLedger
+    from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'miles_fsm.states' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

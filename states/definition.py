@@ -1,6 +1,7 @@
 """The colocated lifecycle: states, triggers, steps and the transition table.
 
-This module is pure data. ``miles_fsm.lifecycle.Lifecycle`` executes it; the
+This module is pure data, built on the engine's ``Definition``. ``Lifecycle``
+(``miles_fsm.states.lifecycle``) executes it; the
 diagram in ``docs/lifecycle.md`` is generated from it; ``miles-fsm replay``
 re-drives it offline. Nothing here touches a tensor or a process group.
 """
@@ -12,7 +13,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from miles_fsm.definition import Definition, Transition
+
 __all__ = [
+    "CYCLE",
     "DEFINITION",
     "ENGINE_TAGS",
     "TRAINER_TAGS",
@@ -24,6 +28,8 @@ __all__ = [
     "Strategy",
     "Transition",
     "Trigger",
+    "lifecycle_definition",
+    "steps_for",
 ]
 
 
@@ -131,17 +137,9 @@ class Step:
         return f"{self.side.value}.{verb}{tags}"
 
 
-@dataclass(frozen=True, slots=True)
-class Transition:
-    """One arrow: a trigger, its source and destination, and its steps."""
-
-    trigger: Trigger
-    source: State
-    dest: State
-    steps: tuple[Step, ...]
-
-    def steps_for(self, strategy: Strategy) -> tuple[Step, ...]:
-        return tuple(s for s in self.steps if s.applies_to(strategy))
+def steps_for(transition: Transition[State, Trigger], strategy: Strategy) -> tuple[Step, ...]:
+    """The steps a transition runs under ``strategy``, in table order."""
+    return tuple(s for s in transition.steps if s.applies_to(strategy))
 
 
 TRAINER_TAGS = ("param_buffer", "grad_buffer", "default")
@@ -234,69 +232,23 @@ _TRANSITIONS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Definition:
-    """The frozen transition table, checked when built."""
-
-    initial: State
-    failed: State
-    transitions: tuple[Transition, ...]
-
-    def __post_init__(self) -> None:
-        from miles_fsm.errors import DefinitionError
-
-        problems = list(_check(self))
-        if problems:
-            raise DefinitionError(problems)
-
-    @property
-    def states(self) -> tuple[State, ...]:
-        return tuple(State)
-
-    def allowed(self, state: State) -> tuple[Trigger, ...]:
-        """Triggers that may fire in ``state``, in table order."""
-        return tuple(t.trigger for t in self.transitions if t.source is state)
-
-    def transition(self, state: State, trigger: Trigger) -> Transition | None:
-        """The arrow for ``trigger`` out of ``state``, or None if forbidden."""
-        for t in self.transitions:
-            if t.source is state and t.trigger is trigger:
-                return t
-        return None
+def lifecycle_definition(transitions: tuple[Transition[State, Trigger], ...]) -> Definition[State, Trigger]:
+    """A definition over the lifecycle's states and triggers, its memory steps checked too."""
+    return Definition(
+        states=State,
+        triggers=Trigger,
+        initial=State.INITIAL,
+        failed=State.FAILED,
+        transitions=transitions,
+        checks=(_check_memory_steps,),
+    )
 
 
-def _check(d: Definition) -> list[str]:
-    """Definition errors, the way python-statemachine reports them."""
-    problems: list[str] = []
-    seen: set[tuple[State, Trigger]] = set()
-    for t in d.transitions:
-        key = (t.source, t.trigger)
-        if key in seen:
-            problems.append(f"trigger {t.trigger.value!r} leaves {t.source.value} twice")
-        seen.add(key)
-        if t.source is d.failed or t.dest is d.failed:
-            problems.append(f"{t.trigger.value}: FAILED is entered and left only by the machine")
-    for t in d.transitions:
-        problems.extend(_check_memory(t))
-    reachable = {d.initial}
-    frontier = [d.initial]
-    while frontier:
-        s = frontier.pop()
-        for t in d.transitions:
-            if t.source is s and t.dest not in reachable:
-                reachable.add(t.dest)
-                frontier.append(t.dest)
-    for s in State:
-        if s is d.failed:
-            continue
-        if s not in reachable:
-            problems.append(f"state {s.value} is unreachable from {d.initial.value}")
-        elif not any(t.source is s for t in d.transitions):
-            problems.append(f"state {s.value} is a trap: no trigger leaves it")
-    return problems
+def _check_memory_steps(d: Definition[State, Trigger]) -> list[str]:
+    return [p for t in d.transitions for p in _check_memory(t)]
 
 
-def _check_memory(t: Transition) -> list[str]:
+def _check_memory(t: Transition[State, Trigger]) -> list[str]:
     """The steps must take memory from what the source implies to what the dest implies."""
     paused = {
         Side.TRAINER: set(t.source.trainer_paused_tags),
@@ -324,4 +276,8 @@ def _check_memory(t: Transition) -> list[str]:
     return problems
 
 
-DEFINITION = Definition(initial=State.INITIAL, failed=State.FAILED, transitions=_TRANSITIONS)
+DEFINITION = lifecycle_definition(_TRANSITIONS)
+"""The colocated lifecycle: ``TRAINING -> OFFLOADED -> PAUSED -> REMATERIALIZED -> SYNCED``."""
+
+CYCLE: tuple[Trigger, ...] = DEFINITION.cycle(State.TRAINING)
+"""One offload/wake cycle from TRAINING back to it, derived from the table: its order is written once."""

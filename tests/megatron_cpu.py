@@ -234,7 +234,7 @@ def train_step(gpt: TinyGPT, *, step: int) -> float:
 
 def _lifecycle(driver: Any, *, guard_timeout_s: float = 30.0) -> Any:
     from miles_fsm.config import GuardConfig, LifecycleConfig
-    from miles_fsm.lifecycle import Lifecycle
+    from miles_fsm.states.lifecycle import Lifecycle
 
     cfg = LifecycleConfig(guard=GuardConfig(timeout_s=guard_timeout_s), verify=driver.config.verify)
     return Lifecycle(trainer=driver, config=cfg)
@@ -262,7 +262,8 @@ def rank_full_cycles(ctx: Any) -> dict[str, Any]:
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
     from miles_fsm.drivers.megatron import MegatronTrainer
     from miles_fsm.drivers.megatron_config import MegatronDriverConfig
-    from miles_fsm.errors import MemoryReleasedError, VerificationError
+    from miles_fsm.errors import MemoryReleasedError
+    from miles_fsm.states.errors import VerificationError
     from miles_fsm.states import Step, StepKind, Strategy
 
     strategy = Strategy(ctx.kwargs["strategy"])
@@ -342,7 +343,8 @@ def rank_structure_and_divergence(ctx: Any) -> dict[str, Any]:
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
     from miles_fsm.drivers.megatron import MegatronTrainer
     from miles_fsm.drivers.megatron_config import MegatronDriverConfig
-    from miles_fsm.errors import ConfigError, IneligibleModelError, RankDivergenceError
+    from miles_fsm.drivers.errors import IneligibleModelError
+    from miles_fsm.errors import ConfigError, RankDivergenceError
     from miles_fsm.states import Strategy
 
     out: dict[str, Any] = {}

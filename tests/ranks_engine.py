@@ -74,7 +74,7 @@ def double_pause(ctx: RankContext) -> dict[str, Any]:
     lc.start()
     lc.offload()
     before = list(trainer.calls)
-    ledger = lc._memory[Side.TRAINER]  # the ledger the machine uses; exercised directly here
+    ledger = lc._actions.memory[Side.TRAINER]  # the ledger the machine uses; exercised directly here
     try:
         ledger.pause(["default"])
     except MemoryTagError as exc:

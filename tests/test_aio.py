@@ -18,10 +18,11 @@ from anyio.lowlevel import checkpoint
 from miles_fsm.states import State, Trigger
 from toy import ToyEngine, ToyTrainer
 
-from miles_fsm.aio import AsyncLifecycle, StateChange
+from miles_fsm.aio import StateChange
+from miles_fsm.states.aio import AsyncLifecycle
 from miles_fsm.config import LifecycleConfig
 from miles_fsm.errors import RankFailedError, TransitionNotAllowed
-from miles_fsm.lifecycle import Lifecycle
+from miles_fsm.states.lifecycle import Lifecycle
 
 pytestmark = pytest.mark.anyio
 

@@ -16,11 +16,11 @@ from miles_fsm.states import State
 from test_aio import GatedTrainer
 from toy import ToyEngine
 
-from miles_fsm.aio import AsyncLifecycle
+from miles_fsm.states.aio import AsyncLifecycle
 from miles_fsm.config import GuardConfig, LifecycleConfig
 from miles_fsm.errors import GuardTimeoutError
 from miles_fsm.launch import RankContext, run_ranks
-from miles_fsm.lifecycle import Lifecycle
+from miles_fsm.states.lifecycle import Lifecycle
 
 pytestmark = pytest.mark.slow
 

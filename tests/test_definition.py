@@ -8,7 +8,7 @@ import pytest
 
 from miles_fsm import DefinitionError, State, Trigger
 from miles_fsm.states.diagram import lifecycle_markdown
-from miles_fsm.states import DEFINITION, Definition, Side, Step, StepKind, Transition
+from miles_fsm.states import DEFINITION, Side, Step, StepKind, Transition, lifecycle_definition
 
 CYCLE = [State.TRAINING, State.OFFLOADED, State.PAUSED, State.REMATERIALIZED, State.SYNCED]
 
@@ -36,7 +36,7 @@ def test_unreachable_and_trap_states_are_rejected():
     """A table that strands a state, or never leaves one, fails when it is built."""
     only_start = tuple(t for t in DEFINITION.transitions if t.trigger is Trigger.START)
     with pytest.raises(DefinitionError) as info:
-        Definition(initial=State.INITIAL, failed=State.FAILED, transitions=only_start)
+        lifecycle_definition(only_start)
     text = str(info.value)
     assert "state OFFLOADED is unreachable" in text
     assert "state TRAINING is a trap" in text
@@ -51,7 +51,7 @@ def test_a_double_pause_in_the_table_is_rejected():
         for t in DEFINITION.transitions
     )
     with pytest.raises(DefinitionError, match="double-pause_memory 'default'"):
-        Definition(initial=State.INITIAL, failed=State.FAILED, transitions=bad)
+        lifecycle_definition(bad)
 
 
 def test_steps_leave_memory_where_the_destination_says():

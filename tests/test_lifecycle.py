@@ -92,7 +92,7 @@ def test_memory_ledger_refuses_double_pause_without_calling_driver():
     lc, trainer, _ = make()
     lc.start()
     lc.offload()
-    ledger = lc._memory[Side.TRAINER]
+    ledger = lc._actions.memory[Side.TRAINER]
     n = len(trainer.calls)
     with pytest.raises(MemoryTagError) as info:
         ledger.pause(["param_buffer", "grad_buffer"])

@@ -11,7 +11,8 @@ import torch
 
 from megatron_cpu import megatron_available
 from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
-from miles_fsm.errors import ConfigError, HostCopyMissingError
+from miles_fsm.drivers.errors import HostCopyMissingError
+from miles_fsm.errors import ConfigError
 from miles_fsm.launch import run_ranks
 
 
@@ -88,7 +89,7 @@ def rank_optimizer_offload(ctx):
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
     from miles_fsm.drivers.megatron import OPTIMIZER_KEY, MegatronTrainer
     from miles_fsm.drivers.megatron_config import MegatronDriverConfig
-    from miles_fsm.lifecycle import Lifecycle
+    from miles_fsm.states.lifecycle import Lifecycle
 
     saver = CpuMemorySaver()
     gpt = build_tiny_gpt(saver=saver)

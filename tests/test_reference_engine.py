@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from miles_fsm.digest import digest_tensors
-from miles_fsm.drivers import EngineDriver
+from miles_fsm.states import EngineDriver
 from miles_fsm.drivers.reference import ReferenceTrainer, forward
 from miles_fsm.drivers.reference_engine import ReferenceEngine
-from miles_fsm.errors import EngineSessionError, MemoryReleasedError, MemoryTagError
+from miles_fsm.drivers.errors import EngineSessionError
+from miles_fsm.errors import MemoryReleasedError
+from miles_fsm.states.errors import MemoryTagError
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver, MemorySaver
-from miles_fsm.errors import MemoryTagError
+from miles_fsm.states.errors import MemoryTagError
 
 
 def test_pause_releases_storage_and_views_see_the_resumed_memory():

@@ -7,11 +7,13 @@ import torch
 
 from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, Strategy, VerifyConfig
 from miles_fsm.digest import digest_tensors
-from miles_fsm.drivers import TrainerDriver
+from miles_fsm.states import TrainerDriver
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver
 from miles_fsm.drivers.reference import EXTRA_BUFFERS, EXTRA_PARAMS, ReferenceTrainer, TrainerConfig
 from miles_fsm.drivers.reference_engine import ReferenceEngine
-from miles_fsm.errors import ConfigError, IneligibleModelError, MemoryReleasedError, VerificationError
+from miles_fsm.drivers.errors import IneligibleModelError
+from miles_fsm.errors import ConfigError, MemoryReleasedError
+from miles_fsm.states.errors import VerificationError
 from miles_fsm.guard import Guard
 from miles_fsm.launch import RankContext, run_ranks
 

@@ -20,7 +20,7 @@ from miles_fsm.apps.cli import main
 from miles_fsm.diagnosis import diagnose, rank_ranges
 from miles_fsm.perfetto import export_perfetto
 from miles_fsm.replay import render, replay
-from miles_fsm.states import DEFINITION, Strategy, Trigger
+from miles_fsm.states import DEFINITION, Strategy, Trigger, steps_for
 from miles_fsm.trace_reader import EpochRange, TraceDirError, find_traces, read_rank, read_ranks
 from toy import ToyEngine, ToyTrainer
 
@@ -40,13 +40,14 @@ class RankWriter:
         self.epoch = 0
         self.lines: list[bytes] = []
         self.strategy = strategy
+        machine = DEFINITION.describe(steps=lambda t: [str(s) for s in steps_for(t, Strategy(strategy))])
         self.emit("trace_opened", state=None, trigger=None, pid=100 + rank, host="h", rotated_to=None,
-                  strategy=strategy, guard_timeout_s=5.0)
+                  strategy=strategy, guard_timeout_s=5.0, machine=machine)
 
     def emit(self, event: str, *, state: Any = "<cur>", trigger: Any = None, epoch: int | None = None,
              dt: float = 0.001, **fields: Any) -> None:
         self.mono += int(dt * 1e9)
-        rec = {"v": 1, "rank": self.rank, "world": self.world, **fields,
+        rec = {"v": 2, "rank": self.rank, "world": self.world, **fields,
                "epoch": self.epoch if epoch is None else epoch,
                "state": self.state if state == "<cur>" else state, "trigger": trigger, "event": event,
                "seq": self.seq, "mono_ns": self.mono, "wall": self.wall0 + self.mono / 1e9}
@@ -61,7 +62,7 @@ class RankWriter:
         t = DEFINITION.transition(_state(self.state), Trigger(trigger))
         dest = dest or (t.dest.value if t else "TRAINING")
         if steps is None:
-            steps = [str(s) for s in t.steps_for(Strategy(self.strategy))] if t else ["backup(actor)"]
+            steps = [str(s) for s in steps_for(t, Strategy(self.strategy))] if t else ["backup(actor)"]
         if trigger == "offload":
             self.epoch += 1
         self.emit("transition_started", trigger=trigger, dest=dest, steps=steps)
@@ -347,8 +348,8 @@ def test_events_after_failed_without_recover_are_illegal(tmp_path):
 
 def test_hung_rank_is_stuck_with_state_and_duration(tmp_path, capsys):
     """Rank 2 never reaches the sync guard; the others time out naming it: stuck, with what and how long."""
-    timeout = {"error": "GuardTimeoutError", "message": "rank(s) 2 did not reach the guard", "missing": [2],
-               "groups": None}
+    timeout = {"error": "GuardTimeoutError", "message": "rank(s) 2 did not reach the guard",
+               "fields": {"missing": [2]}}
     for r in range(3):
         w = RankWriter(r, 3)
         w.cycles(1)
@@ -369,7 +370,7 @@ def test_hung_rank_is_stuck_with_state_and_duration(tmp_path, capsys):
 
 def test_crashed_rank_is_told_from_stuck_by_lost_peers(tmp_path, capsys):
     """The survivors' guard lost its peer (PeerLostError naming rank 1): crashed, inside its last action."""
-    lost = {"error": "PeerLostError", "message": "lost its connection to rank(s) 1", "missing": [1], "groups": None}
+    lost = {"error": "PeerLostError", "message": "lost its connection to rank(s) 1", "fields": {"missing": [1]}}
     for r in range(3):
         w = RankWriter(r, 3)
         w.cycles(1)
@@ -389,7 +390,8 @@ def test_crashed_rank_is_told_from_stuck_by_lost_peers(tmp_path, capsys):
 
 def test_peer_failure_inside_a_collective_blames_the_silent_rank(tmp_path, capsys):
     """Survivors fail in param_sync with 'Connection reset by peer'; the rank that went silent there crashed."""
-    reset = {"action": "param_sync", "error": "RuntimeError", "message": "Read error: Connection reset by peer"}
+    reset = {"action": "param_sync", "error": "RuntimeError", "message": "Read error: Connection reset by peer",
+             "transport": "peer_lost"}
     for r in range(3):
         w = RankWriter(r, 3)
         w.cycles(1)
@@ -548,7 +550,7 @@ def check_chrome_trace(path: Path) -> dict[str, Any]:
 
 def test_perfetto_export_is_a_valid_nested_chrome_trace(tmp_path, capsys):
     """pid = rank, states and transitions as nested B/E, guard failures as instants, guards linked by flows."""
-    timeout = {"error": "GuardTimeoutError", "message": "rank 2 missing", "missing": [2], "groups": None}
+    timeout = {"error": "GuardTimeoutError", "message": "rank 2 missing", "fields": {"missing": [2]}}
     traces = tmp_path / "t"
     traces.mkdir()
     for r in range(3):

@@ -24,16 +24,10 @@ from miles_fsm.drivers.sglang import (
     SGLangEngineDriver,
     buckets,
 )
-from miles_fsm.errors import (
-    ConfigError,
-    EngineRequestError,
-    EngineSessionError,
-    EngineUpdateError,
-    MemoryTagError,
-    MissingDependencyError,
-    WeightVersionError,
-)
-from miles_fsm.lifecycle import Lifecycle
+from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError, EngineUpdateError
+from miles_fsm.errors import ConfigError, MissingDependencyError
+from miles_fsm.states.errors import MemoryTagError, WeightVersionError
+from miles_fsm.states.lifecycle import Lifecycle
 from miles_fsm.states import Side, State, Strategy
 from sglang_server import FakeEngine, serve
 from toy import ToyTrainer

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from miles_fsm.drivers import StepReport
+from miles_fsm.states import StepReport
 from miles_fsm.plan import Collective, TensorSet
 from miles_fsm.states import Step, StepKind, Strategy
 

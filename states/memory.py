@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from miles_fsm.errors import MemoryTagError
+from miles_fsm.states.errors import MemoryTagError
 
 __all__ = ["MemoryLedger"]
 

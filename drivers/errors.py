@@ -1,0 +1,130 @@
+"""The bindings' failures: engines, host copies, megatron's buffers, device memory, model structure.
+
+Each class is a ``MilesFsmError``: its facts are fields that traces record
+and that pickle (see ``miles_fsm.errors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from miles_fsm.errors import MilesFsmError, list_names
+
+__all__ = [
+    "BufferRoutingError",
+    "EngineRequestError",
+    "EngineSessionError",
+    "EngineUpdateError",
+    "HostCopyMissingError",
+    "IneligibleModelError",
+    "ResumeMemoryError",
+]
+
+
+class IneligibleModelError(MilesFsmError, ValueError):
+    """The model's structure makes rematerialize unsafe."""
+
+    def __init__(self, params: Sequence[str], reason: str) -> None:
+        self.params = tuple(params)
+        self.reason = reason
+        super().__init__(
+            f"rematerialize cannot rebuild {len(self.params)} param(s): {list_names(self.params)} "
+            f"({reason}). Put them in a DDP param buffer or among the backed-up extras, or "
+            "use the backup strategy."
+        )
+
+class EngineRequestError(MilesFsmError, RuntimeError):
+    """An engine rejected or failed a request."""
+
+    def __init__(self, *, engine: str, op: str, status: int | None, message: str) -> None:
+        self.engine = engine
+        self.op = op
+        self.status = status
+        self.message = message
+        code = f"HTTP {status}" if status is not None else "no response"
+        super().__init__(f"engine {engine}: {op} failed ({code}): {message}")
+
+class EngineSessionError(MilesFsmError, RuntimeError):
+    """A weight-update session was misused or left open."""
+
+    def __init__(self, *, engine: str, op: str, detail: str) -> None:
+        self.engine = engine
+        self.op = op
+        self.detail = detail
+        super().__init__(f"engine {engine}: weight-update session error during {op}: {detail}")
+
+class EngineUpdateError(EngineRequestError):
+    """One engine of a group failed mid-update; names it, the step, and every session still open."""
+
+    def __init__(
+        self,
+        *,
+        engine: str,
+        op: str,
+        status: int | None,
+        message: str,
+        closed: Sequence[str],
+        left_open: Sequence[str],
+    ) -> None:
+        self.engine = engine
+        self.op = op
+        self.status = status
+        self.message = message
+        self.closed = tuple(closed)
+        self.left_open = tuple(left_open)
+        code = f"HTTP {status}" if status is not None else "no response"
+        if self.left_open:
+            sessions = (
+                f" Weight-update sessions are STILL OPEN on [{', '.join(self.left_open)}]: end them "
+                "(driver.close_sessions() or POST /end_weight_update) or restart those engines before "
+                "the next push."
+            )
+        else:
+            sessions = " No weight-update session is left open."
+        closed_part = f" Sessions closed after the failure: [{', '.join(self.closed)}]." if self.closed else ""
+        MilesFsmError.__init__(
+            self,
+            f"engine {engine}: weight update failed in {op} ({code}): {message.rstrip('.')}.{closed_part}{sessions} "
+            "Treat the engines' weights as unknown: push again before generating.",
+        )
+
+class HostCopyMissingError(MilesFsmError, KeyError):
+    """A host copy was asked for a tag that was never backed up."""
+
+    def __init__(self, *, tag: str, held: Sequence[str]) -> None:
+        self.tag = tag
+        self.held = tuple(sorted(held))
+        super().__init__(
+            f"no host copy of tag {tag!r} is held (held: [{', '.join(self.held)}]); "
+            f"call backup({tag!r}) or copy(src, {tag!r}) first"
+        )
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+class BufferRoutingError(MilesFsmError, RuntimeError):
+    """megatron allocated a DDP buffer differently than the region routing expects."""
+
+    def __init__(self, *, buffer: str, expected: Sequence[str], detail: str) -> None:
+        self.buffer = buffer
+        self.expected = tuple(expected)
+        self.detail = detail
+        super().__init__(
+            f"could not place megatron's {buffer} in memory tags [{', '.join(self.expected)}]: {detail}. "
+            "This megatron-core version allocates its param/grad buffers differently; pausing those "
+            "tags would free nothing (or the wrong memory). Report the megatron-core version."
+        )
+
+class ResumeMemoryError(MilesFsmError, MemoryError):
+    """A resume was refused because the device has too little free memory for it."""
+
+    def __init__(self, *, owner: str, tag: str, needed: int, free: int) -> None:
+        self.owner = owner
+        self.tag = tag
+        self.needed = needed
+        self.free = free
+        super().__init__(
+            f"{owner}: refused to resume memory tag {tag!r}: it needs at least {needed} bytes and the device "
+            f"has {free} free. torch_memory_saver kills the process when a resume runs out of memory, so "
+            "nothing was resumed; free device memory first (release the engine's tags, empty caches)."
+        )

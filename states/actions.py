@@ -1,0 +1,183 @@
+"""The lifecycle's actions: one function per step kind, each calling one driver method.
+
+``Actions.table`` maps every ``StepKind`` to its action; the machine runs
+them in table order. Verification lives here too: ``record_digests`` at
+offload, ``verify`` at resume, and the pushed weights against the engine's
+own digests at pause.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from miles_fsm.config import VerifyConfig
+from miles_fsm.digest import digest_tensors
+from miles_fsm.plan import TensorSet
+from miles_fsm.schema import VERIFIED, VERIFY_FAILED
+from miles_fsm.states.definition import Side, State, Step, StepKind, Trigger
+from miles_fsm.states.errors import TensorSetChangedError, VerificationError, WeightVersionError
+from miles_fsm.states.memory import MemoryLedger
+from miles_fsm.states.protocols import StepReport
+
+if TYPE_CHECKING:
+    from miles_fsm.states.protocols import EngineDriver, TrainerDriver
+    from miles_fsm.tracing import TraceSink
+
+__all__ = ["Actions"]
+
+Action = Callable[[Step, int], "StepReport | None"]
+
+
+class Actions:
+    """The step bodies over one trainer, an optional engine and their memory ledgers."""
+
+    def __init__(
+        self,
+        *,
+        trainer: TrainerDriver,
+        engine: EngineDriver | None,
+        verify: VerifyConfig,
+        tracer: TraceSink,
+    ) -> None:
+        self._trainer = trainer
+        self._engine = engine
+        self._verify_config = verify
+        self._tracer = tracer
+        self.memory = MappingProxyType(
+            {
+                Side.TRAINER: MemoryLedger(Side.TRAINER.value, pause=trainer.pause_memory,
+                                           resume=trainer.resume_memory),  # fmt: skip
+                Side.ENGINE: MemoryLedger(
+                    Side.ENGINE.value,
+                    pause=engine.release_memory if engine is not None else _no_engine,
+                    resume=engine.resume_memory if engine is not None else _no_engine,
+                ),
+            }
+        )
+        #: (epoch, tensor set, digests) recorded at offload, checked at resume.
+        self._recorded: tuple[int, TensorSet, dict[str, str]] | None = None
+        self.table: Mapping[StepKind, Action] = MappingProxyType(
+            {
+                StepKind.BACKUP: self.backup,
+                StepKind.RECORD_DIGESTS: self.record_digests,
+                StepKind.PAUSE_MEMORY: self.pause_memory,
+                StepKind.RESUME_MEMORY: self.resume_memory,
+                StepKind.PUSH_WEIGHTS: self.push_weights,
+                StepKind.CAST_MAIN_TO_PARAMS: lambda s, e: trainer.cast_main_to_params(),
+                StepKind.RESTORE: self.restore,
+                StepKind.PARAM_SYNC: lambda s, e: trainer.param_sync(),
+                StepKind.VERIFY: self.verify,
+            }
+        )
+
+    @property
+    def pending_verification(self) -> int | None:
+        """The epoch whose digests were recorded and not yet checked, if any."""
+        return self._recorded[0] if self._recorded is not None else None
+
+    def forget_verification(self) -> None:
+        """Drop recorded digests (after a recovery: the bytes they describe are gone)."""
+        self._recorded = None
+
+    def verifies(self, epoch: int) -> bool:
+        return self._verify_config.active(epoch)
+
+    def pause_memory(self, step: Step, epoch: int) -> None:
+        self.memory[step.side].pause(step.tags)
+
+    def resume_memory(self, step: Step, epoch: int) -> None:
+        self.memory[step.side].resume(step.tags)
+
+    def backup(self, step: Step, epoch: int) -> StepReport | None:
+        return _merge([self._trainer.backup(tag) for tag in step.tags])
+
+    def restore(self, step: Step, epoch: int) -> StepReport | None:
+        return _merge([self._trainer.restore(tag) for tag in step.tags])
+
+    def record_digests(self, step: Step, epoch: int) -> None:
+        if not self.verifies(epoch):
+            self._recorded = None
+            return
+        tensors = self._trainer.tensors()
+        threads = self._verify_config.threads
+        self._recorded = (epoch, TensorSet.of(tensors.items()), digest_tensors(tensors, threads=threads))
+
+    def verify(self, step: Step, epoch: int) -> None:
+        if self._recorded is None or self._recorded[0] != epoch:
+            return
+        _, before_set, before = self._recorded
+        self._recorded = None
+        tensors = self._trainer.tensors()
+        after_set = TensorSet.of(tensors.items())
+        try:
+            if after_set != before_set:
+                raise TensorSetChangedError(
+                    epoch=epoch,
+                    added=sorted(after_set.names - before_set.names),
+                    removed=sorted(before_set.names - after_set.names),
+                )
+            after = digest_tensors(tensors, threads=self._verify_config.threads)
+            bad = sorted(n for n in before if before[n] != after[n])
+            if bad:
+                raise VerificationError(epoch=epoch, mismatched=bad)
+        except VerificationError as exc:
+            self._trace_failed(exc, epoch, Trigger.RESUME, State.SYNCED)
+            raise
+        self._tracer.emit(VERIFIED, epoch=epoch, trigger=Trigger.RESUME.value, state=State.SYNCED.value,
+                          tensors=len(after))  # fmt: skip
+
+    def push_weights(self, step: Step, epoch: int) -> StepReport | None:
+        engine = self._engine
+        if engine is None:  # the planner drops this step without an engine
+            raise RuntimeError("push_weights planned without an engine driver")
+        named = list(self._trainer.named_weights())
+        version = str(epoch)
+        report = engine.update_weights(named, version=version)
+        actual = engine.weight_version()
+        if actual != version:
+            raise WeightVersionError(engine=engine.name, expected=version, actual=actual)
+        if self.verifies(epoch):
+            served = engine.weight_digests()
+            if served is not None:
+                try:
+                    _compare_served(engine.name, epoch, served, digest_tensors(dict(named),
+                                                                               threads=self._verify_config.threads))
+                except VerificationError as exc:
+                    self._trace_failed(exc, epoch, Trigger.PAUSE, State.OFFLOADED)
+                    raise
+        return report
+
+    def _trace_failed(self, exc: VerificationError, epoch: int, trigger: Trigger, state: State) -> None:
+        self._tracer.emit(VERIFY_FAILED, epoch=epoch, trigger=trigger.value, state=state.value,
+                          tensors=list(exc.mismatched), where=exc.where)  # fmt: skip
+
+
+def _compare_served(engine: str, epoch: int, served: Mapping[str, str], pushed: Mapping[str, str]) -> None:
+    if set(served) != set(pushed):
+        raise TensorSetChangedError(
+            epoch=epoch,
+            added=sorted(set(served) - set(pushed)),
+            removed=sorted(set(pushed) - set(served)),
+            where=f"engine {engine}",
+        )
+    bad = sorted(n for n in pushed if pushed[n] != served[n])
+    if bad:
+        raise VerificationError(epoch=epoch, mismatched=bad, where=f"engine {engine}")
+
+
+def _no_engine(tag: str) -> None:
+    raise RuntimeError("engine memory steps are planned only with an engine driver")
+
+
+def _merge(reports: list[StepReport | None]) -> StepReport | None:
+    real = [r for r in reports if r is not None]
+    if not real:
+        return None
+
+    def total(field: str) -> int | None:
+        values = [getattr(r, field) for r in real if getattr(r, field) is not None]
+        return sum(values) if values else None
+
+    return StepReport(bytes_moved=total("bytes_moved"), host_bytes=total("host_bytes"))

@@ -1,0 +1,72 @@
+"""The lifecycle's failures: what verification, the memory ledger and the weight push refuse.
+
+Each class is a ``MilesFsmError``: its facts are fields that traces record
+and that pickle (see ``miles_fsm.errors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from miles_fsm.errors import MilesFsmError, list_names
+
+__all__ = ["MemoryTagError", "TensorSetChangedError", "VerificationError", "WeightVersionError"]
+
+
+class VerificationError(MilesFsmError, RuntimeError):
+    """Tensors came back with different bytes than they had before the offload."""
+
+    def __init__(self, *, epoch: int, mismatched: Sequence[str], where: str = "trainer") -> None:
+        self.epoch = epoch
+        self.mismatched = tuple(mismatched)
+        self.where = where
+        super().__init__(
+            f"{len(self.mismatched)} {where} tensor(s) differ from their pre-offload SHA256 "
+            f"after epoch {epoch}: {list_names(self.mismatched)}. Do not train on them: the restore "
+            "or rematerialize path lost data. Recover from a checkpoint."
+        )
+
+class TensorSetChangedError(VerificationError):
+    """The set of tensors itself changed between offload and verify."""
+
+    def __init__(
+        self, *, epoch: int, added: Sequence[str], removed: Sequence[str], where: str = "trainer"
+    ) -> None:
+        self.added = tuple(added)
+        self.removed = tuple(removed)
+        MilesFsmError.__init__(
+            self,
+            f"the {where} tensor set changed during epoch {epoch}: added [{list_names(self.added)}], "
+            f"removed [{list_names(self.removed)}]. A param entered or left the buffers while "
+            "offloaded; restore cannot be trusted.",
+        )
+        self.epoch = epoch
+        self.mismatched = self.added + self.removed
+        self.where = where
+
+class MemoryTagError(MilesFsmError, RuntimeError):
+    """A pause of a paused tag, or a resume of an active one, was refused."""
+
+    def __init__(self, *, side: str, tag: str, op: str, paused: Sequence[str]) -> None:
+        self.side = side
+        self.tag = tag
+        self.op = op
+        self.paused = tuple(sorted(paused))
+        state = "already paused" if op == "pause" else "not paused"
+        super().__init__(
+            f"refused to {op} {side} memory tag {tag!r}: it is {state} (paused now: "
+            f"[{', '.join(self.paused)}]). torch_memory_saver and SGLang kill the process on "
+            "this, so nothing was sent."
+        )
+
+class WeightVersionError(MilesFsmError, RuntimeError):
+    """The engine reports a different weight version than the one just pushed."""
+
+    def __init__(self, *, engine: str, expected: str, actual: str | None) -> None:
+        self.engine = engine
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"engine {engine} reports weight version {actual!r} after a push of {expected!r}; "
+            "it is serving other weights than the trainer's. Push again before generating."
+        )

@@ -1,0 +1,309 @@
+"""``Lifecycle``: one rank's colocated memory lifecycle, run by the engine's ``Machine``.
+
+The table is ``DEFINITION``; the step bodies are ``Actions``; this module
+holds the rules that make it the colocated lifecycle:
+
+- **planning**: which steps run (by weight strategy, and engine steps only
+  with an engine), the collectives each declares, and the intent the guard
+  compares, built from rank-uniform facts only;
+- **the epoch rule**: +1 at each ``offload``;
+- **the recovery rule**: leaving FAILED only to a state whose memory is
+  really there, never skipping a verification.
+
+With ``torch.distributed`` initialized, construction is collective: every
+rank must build its ``Lifecycle`` (it creates the guard's gloo group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from miles_fsm.config import LifecycleConfig
+from miles_fsm.errors import RecoveryError, describe
+from miles_fsm.guard import Guard
+from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
+from miles_fsm.plan import Intent
+from miles_fsm.schema import RECOVERED
+from miles_fsm.states.actions import Actions
+from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
+from miles_fsm.tracing import NullTracer, Tracer, TraceSink
+
+if TYPE_CHECKING:
+    from miles_fsm.definition import Definition, Transition
+    from miles_fsm.plan import Collective
+    from miles_fsm.states.protocols import EngineDriver, TrainerDriver
+
+__all__ = ["Lifecycle", "Snapshot"]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A point-in-time view of one rank, for debugging (like anyio's ``statistics()``)."""
+
+    rank: int
+    world: int
+    state: State
+    epoch: int
+    in_flight: InFlight | None
+    trainer_paused: frozenset[str]
+    engine_released: frozenset[str]
+    failure: Failure | None
+
+    def details(self) -> list[str]:
+        """The lifecycle's own parts of a one-line description (the async snapshot adds its lock)."""
+        return [
+            f"trainer paused [{', '.join(sorted(self.trainer_paused))}]",
+            f"engine released [{', '.join(sorted(self.engine_released))}]",
+        ]
+
+
+class Lifecycle:
+    """One trainer rank's lifecycle over a trainer driver and an optional engine driver."""
+
+    def __init__(
+        self,
+        *,
+        trainer: TrainerDriver,
+        engine: EngineDriver | None = None,
+        config: LifecycleConfig | None = None,
+        guard: Guard | None = None,
+        trace_meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._config = config or LifecycleConfig()
+        self._trainer = trainer
+        self._engine = engine
+        self._guard = guard or Guard.from_default_group(timeout_s=self._config.guard.timeout_s)
+        strategy = trainer.strategy
+        tracer: TraceSink = (
+            Tracer(
+                self._config.trace_dir,
+                rank=self._guard.rank,
+                world=self._guard.world,
+                strategy=strategy.value,
+                guard_timeout_s=self._guard.timeout_s,
+                machine=DEFINITION.describe(steps=lambda t: [str(s) for s in self._steps(t, strategy)]),
+                **dict(trace_meta or {}),
+            )
+            if self._config.trace_dir is not None
+            else NullTracer()
+        )
+        self._actions = Actions(trainer=trainer, engine=engine, verify=self._config.verify, tracer=tracer)
+        table = self._actions.table
+        # Names and the step selection are fixed facts of the table and the
+        # drivers: computed once here, not on every trigger.
+        self._plans = {
+            t.trigger: tuple(PlannedStep(str(s), s, table[s.kind]) for s in self._steps(t, strategy))
+            for t in DEFINITION.transitions
+        }
+        self._machine: Machine[State, Trigger] = Machine(
+            definition=DEFINITION,
+            planner=self._plan,
+            next_epoch=_next_epoch,
+            guard=self._guard,
+            tracer=tracer,
+            probe=trainer.memory_in_use,
+        )
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def definition(self) -> Definition[State, Trigger]:
+        return DEFINITION
+
+    @property
+    def cycle(self) -> tuple[Trigger, ...]:
+        """The triggers of one offload/wake cycle, from TRAINING back to it."""
+        return CYCLE
+
+    @property
+    def state(self) -> State:
+        return self._machine.state
+
+    @property
+    def epoch(self) -> int:
+        """The cycle number: 0 before the first offload, +1 at each offload."""
+        return self._machine.epoch
+
+    @property
+    def rank(self) -> int:
+        return self._guard.rank
+
+    @property
+    def world(self) -> int:
+        return self._guard.world
+
+    @property
+    def failure(self) -> Failure | None:
+        return self._machine.failure
+
+    @property
+    def paused_tags(self) -> Mapping[Side, frozenset[str]]:
+        """Memory tags released now, per side. Tracked, because a failure can strand them."""
+        return MappingProxyType({side: ledger.paused for side, ledger in self._actions.memory.items()})
+
+    @property
+    def tracer(self) -> TraceSink:
+        return self._machine.tracer
+
+    def allowed(self) -> tuple[Trigger, ...]:
+        """Triggers that may fire now."""
+        return self._machine.allowed()
+
+    def snapshot(self) -> Snapshot:
+        memory = self._actions.memory
+        return Snapshot(
+            rank=self.rank,
+            world=self.world,
+            state=self.state,
+            epoch=self.epoch,
+            in_flight=self._machine.in_flight,
+            trainer_paused=memory[Side.TRAINER].paused,
+            engine_released=memory[Side.ENGINE].paused,
+            failure=self.failure,
+        )
+
+    def verifies(self, epoch: int) -> bool:
+        """Whether cycle ``epoch`` is checked bit-exact."""
+        return self._actions.verifies(epoch)
+
+    # --------------------------------------------------------------- triggers
+
+    def start(self) -> TransitionResult:
+        return self.fire(Trigger.START)
+
+    def offload(self) -> TransitionResult:
+        return self.fire(Trigger.OFFLOAD)
+
+    def pause(self) -> TransitionResult:
+        return self.fire(Trigger.PAUSE)
+
+    def rematerialize(self) -> TransitionResult:
+        return self.fire(Trigger.REMATERIALIZE)
+
+    def sync(self) -> TransitionResult:
+        return self.fire(Trigger.SYNC)
+
+    def resume(self) -> TransitionResult:
+        return self.fire(Trigger.RESUME)
+
+    def fire(self, trigger: Trigger | str, *, before_guard: Callable[[], None] | None = None) -> TransitionResult:
+        """Run one transition on this rank.
+
+        ``before_guard`` runs after planning and before the guard; if it
+        raises, the transition is abandoned cleanly (no collective entered,
+        state unchanged). The async API uses it for cancellation.
+        """
+        return self._machine.fire(Trigger(trigger), before_guard=before_guard)
+
+    def agree_on(self, step: str, collectives: tuple[Collective, ...]) -> float:
+        """Guard a step outside the lifecycle (a train step) whose collectives are known.
+
+        Every rank must call it with the same ``step``; ranks that plan other
+        collectives, or hold another tensor set, raise ``RankDivergenceError``
+        before any of them runs, and a rank that never comes is named by
+        ``GuardTimeoutError``. The state does not change, also on failure: the
+        caller decides what a failed step means. Returns the guard's seconds.
+        """
+        with self._machine.lock:
+            state = self.state.value
+            if not (collectives and self._guard.active):
+                return 0.0
+            intent = self._intent(step, state, state, self.epoch, tuple(collectives))
+            return self._machine.agree(intent, {"epoch": self.epoch, "trigger": step, "state": state})
+
+    # --------------------------------------------------------------- planning
+
+    def _steps(self, t: Transition[State, Trigger], strategy: Strategy) -> tuple[Step, ...]:
+        return tuple(s for s in steps_for(t, strategy) if self._applies(s))
+
+    def _plan(self, transition: Transition[State, Trigger], epoch: int) -> Plan:
+        steps = self._plans[transition.trigger]
+        collectives = tuple(c for p in steps for c in self._collectives(p.step))
+        # The intent (and the tensor set, a walk over every tensor) is built
+        # only when a guard will compare it.
+        if not (collectives and self._guard.active):
+            return Plan(steps)
+        intent = self._intent(transition.trigger.value, transition.source.value, transition.dest.value, epoch,
+                              collectives)  # fmt: skip
+        return Plan(steps, intent)
+
+    def _applies(self, step: Step) -> bool:
+        return self._engine is not None or (step.side is Side.TRAINER and step.kind is not StepKind.PUSH_WEIGHTS)
+
+    def _intent(self, trigger: str, source: str, dest: str, epoch: int, collectives: tuple[Collective, ...]) -> Intent:
+        return Intent(
+            epoch=epoch,
+            trigger=trigger,
+            source=source,
+            dest=dest,
+            strategy=self._trainer.strategy.value,
+            collectives=collectives,
+            tensors=self._trainer.tensor_set(),
+        )
+
+    def _collectives(self, step: Step) -> tuple[Any, ...]:
+        if step.side is Side.ENGINE or step.kind is StepKind.PUSH_WEIGHTS:
+            return self._engine.collectives(step) if self._engine is not None else ()
+        return self._trainer.collectives(step)
+
+    # ----------------------------------------------------------------- recover
+
+    def recover(self, to: State | str) -> None:
+        """Leave FAILED, declaring what state memory is in.
+
+        On the trainer side recovery only ever *pauses* memory (always
+        safe). It refuses a target that needs trainer memory that is released
+        now: the contents of a released tag are gone, so recover to PAUSED and
+        rematerialize instead (or reload a checkpoint first). On the engine
+        side it releases or resumes tags to match the target; engine weights
+        resumed here are undefined until the next push, so after recovering to
+        PAUSED, rematerialize before generating. The next guard checks that
+        every rank recovered to the same place.
+        """
+        target = State(to)
+        with self._machine.lock:
+            if self.state is not State.FAILED:
+                raise RecoveryError(target=target.value, reason=f"the rank is {self.state.value}, not FAILED")
+            if not target.in_cycle:
+                raise RecoveryError(target=target.value, reason="only the five cycle states can be recovered to")
+            trainer = self._actions.memory[Side.TRAINER]
+            lost = sorted(trainer.paused - target.trainer_paused_tags)
+            if lost:
+                raise RecoveryError(
+                    target=target.value,
+                    reason=f"trainer tags {lost} are released and their contents are gone; "
+                    "recover to PAUSED and rematerialize, or reload them first",
+                )
+            trainer.pause(sorted(target.trainer_paused_tags - trainer.paused))
+            if self._engine is not None:
+                engine = self._actions.memory[Side.ENGINE]
+                engine.pause(sorted(target.engine_released_tags - engine.paused))
+                engine.resume(sorted(engine.paused - target.engine_released_tags))
+            failure = self._machine.leave_failed(target)
+            self._actions.forget_verification()
+            self.tracer.emit(
+                RECOVERED,
+                epoch=self.epoch,
+                state=target.value,
+                trigger=None,
+                after=describe(failure.error) if failure else None,
+            )
+
+    def close(self) -> None:
+        """Close the trace file. Idempotent."""
+        self.tracer.close()
+
+    def __enter__(self) -> Lifecycle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _next_epoch(trigger: Trigger, epoch: int) -> int:
+    """The epoch rule: a cycle begins at each offload."""
+    return epoch + 1 if trigger is Trigger.OFFLOAD else epoch
+
