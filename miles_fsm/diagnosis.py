@@ -19,9 +19,9 @@ from typing import Any
 from miles_fsm import stalls
 from miles_fsm.divergence import first_divergence
 from miles_fsm.ranks import plural_ranks, rank_ranges
-from miles_fsm.schema import error_fields
-from miles_fsm.trace_reader import FAILED as OUT_FAILED
-from miles_fsm.trace_reader import FINISHED, RankTrace
+from miles_fsm.schema import GUARD_FAILED, TRANSITION_FAILED, VERIFIED, VERIFY_FAILED, error_fields
+from miles_fsm.trace_model import FAILED as OUT_FAILED
+from miles_fsm.trace_model import FINISHED, RankTrace
 
 __all__ = ["Diagnosis", "Verdict", "diagnose", "rank_ranges"]
 
@@ -326,7 +326,7 @@ def _guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
     grouped: dict[tuple[int, str], dict[str, Any]] = {}
     for t in traces:
         for n in t.notes:
-            if n.event != "guard_failed":
+            if n.event != GUARD_FAILED:
                 continue
             rec = n.record
             fields = error_fields(rec)
@@ -360,7 +360,7 @@ def _verification(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
     out = []
     for t in traces:
         for n in t.notes:
-            if n.event == "verify_failed":
+            if n.event == VERIFY_FAILED:
                 rec = n.record
                 out.append(
                     {
@@ -386,7 +386,7 @@ def _step_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
     for t in traces:
         for n in t.notes:
             rec = n.record
-            if n.event != "transition_failed" or rec.get("phase") != "step":
+            if n.event != TRANSITION_FAILED or rec.get("phase") != "step":
                 continue
             out.append(
                 {
@@ -474,7 +474,7 @@ def _rank_json(t: RankTrace) -> dict[str, Any]:
         "last_event": t.last_event,
         "last_seq": t.last_seq,
         "records": t.records,
-        "verified": t.verified,
+        VERIFIED: t.verified,
         "host": t.meta.get("host"),
         "pid": t.meta.get("pid"),
         "strategy": t.strategy,
@@ -486,7 +486,7 @@ def _rank_json(t: RankTrace) -> dict[str, Any]:
             "phase": t.open.phase,
             "action": t.open.action,
         }
-    fail = next((n.record for n in reversed(t.notes) if n.event == "transition_failed"), None)
+    fail = next((n.record for n in reversed(t.notes) if n.event == TRANSITION_FAILED), None)
     if fail is not None and t.state == "FAILED":
         out["error"] = {
             "type": fail.get("error"),

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles_fsm.ranks import plural_ranks
-from miles_fsm.schema import error_fields
-from miles_fsm.trace_reader import RankTrace
+from miles_fsm.schema import GUARD_FAILED, error_fields
+from miles_fsm.trace_model import RankTrace
 
 #: Intent fields, in the order a divergence names the first that differs.
 _FIELDS = (
@@ -136,7 +136,7 @@ def _guard_report(traces: Sequence[RankTrace], position: int) -> dict[str, Any] 
     """What the guard itself said at this position, if it caught the divergence (its field and detail)."""
     for t in traces:
         for n in t.notes:
-            if n.position == position and n.event == "guard_failed" and n.record.get("error") == "RankDivergenceError":
+            if n.position == position and n.event == GUARD_FAILED and n.record.get("error") == "RankDivergenceError":
                 fields = error_fields(n.record)
                 detail = [d for d in str(fields.get("detail") or "").split("; ") if d]
                 return {"field": fields.get("field"), "groups": fields.get("groups"),

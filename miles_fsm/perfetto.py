@@ -23,8 +23,24 @@ from typing import Any
 
 import orjson
 
-from miles_fsm.schema import error_fields
-from miles_fsm.trace_reader import EpochRange, RankTrace, iter_lines
+from miles_fsm.schema import (
+    ACTION_FINISHED,
+    ACTION_STARTED,
+    GUARD_ENTERED,
+    GUARD_FAILED,
+    GUARD_PASSED,
+    RECOVERED,
+    TRACE_OPENED,
+    TRANSITION_CANCELLED,
+    TRANSITION_FAILED,
+    TRANSITION_FINISHED,
+    TRANSITION_STARTED,
+    VERIFIED,
+    VERIFY_FAILED,
+    error_fields,
+)
+from miles_fsm.trace_files import iter_lines
+from miles_fsm.trace_model import EpochRange, RankTrace
 
 __all__ = ["STATE_TID", "TRANSITION_TID", "export_perfetto"]
 
@@ -167,48 +183,48 @@ def _export_rank(
         event = rec.get("event")
         trigger = rec.get("trigger")
         state = rec.get("state")
-        if event == "transition_started":
+        if event == TRANSITION_STARTED:
             if not states.stack and state:
                 states.begin(state, ts, "state", {"epoch": epoch})
             tx.close_all(ts)  # a transition never closed: lost records
             tx.begin(str(trigger), ts, "transition",
                      {"epoch": epoch, "source": state, "dest": rec.get("dest"), "steps": rec.get("steps")})
-        elif event == "guard_entered":
+        elif event == GUARD_ENTERED:
             tx.begin("guard", ts, "guard",
                      {"key": rec.get("key"), "collectives": rec.get("collectives"), "tensors": rec.get("tensors")})
             k = (epoch, trigger)
             seen[k] += 1
             guards[(epoch, trigger, seen[k])].append((tx.last_ts, pid))
-        elif event == "guard_passed":
+        elif event == GUARD_PASSED:
             tx.end("guard", ts, {"duration_s": rec.get("duration_s")})
-        elif event == "guard_failed":
+        elif event == GUARD_FAILED:
             tx.instant(f"guard failed: {rec.get('error')}", ts, "failure",
                        {"error": rec.get("error"), "message": rec.get("message"), **error_fields(rec)})
             tx.end("guard", ts, {"failed": rec.get("error")})
-        elif event == "action_started":
+        elif event == ACTION_STARTED:
             tx.begin(str(rec.get("action")), ts, "action", {"mem_before": rec.get("mem_before")})
-        elif event == "action_finished":
+        elif event == ACTION_FINISHED:
             tx.end(str(rec.get("action")), ts,
                    {k: rec.get(k) for k in ("duration_s", "bytes_moved", "host_bytes", "mem_after")})
-        elif event == "transition_finished":
+        elif event == TRANSITION_FINISHED:
             tx.end(str(trigger), ts, {"duration_s": rec.get("duration_s")})
             states.close_all(ts)
             states.begin(str(state), ts, "state", {"epoch": epoch})
-        elif event in ("transition_failed", "transition_cancelled"):
+        elif event in (TRANSITION_FAILED, TRANSITION_CANCELLED):
             tx.instant(event, ts, "failure",
                        {k: rec.get(k) for k in ("error", "message", "action", "phase") if k in rec})
             tx.end(str(trigger), ts, {event: rec.get("error")})
-            if event == "transition_failed":
+            if event == TRANSITION_FAILED:
                 states.close_all(ts)
                 states.begin("FAILED", ts, "state", {"epoch": epoch, "error": rec.get("error")})
-        elif event == "verify_failed":
+        elif event == VERIFY_FAILED:
             tx.instant("verify failed", ts, "failure", {"tensors": rec.get("tensors"), "where": rec.get("where")})
-        elif event == "verified":
-            tx.instant("verified", ts, "verify", {"tensors": rec.get("tensors")})
-        elif event == "recovered":
+        elif event == VERIFIED:
+            tx.instant(VERIFIED, ts, "verify", {"tensors": rec.get("tensors")})
+        elif event == RECOVERED:
             states.close_all(ts)
-            states.begin(str(state), ts, "state", {"epoch": epoch, "recovered": True})
-        elif event != "trace_opened":
+            states.begin(str(state), ts, "state", {"epoch": epoch, RECOVERED: True})
+        elif event != TRACE_OPENED:
             tx.instant(str(event), ts, "other", {k: v for k, v in rec.items() if k not in _COMMON})
     tx.close_all(last_ts)
     states.close_all(last_ts)

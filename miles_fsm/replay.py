@@ -20,7 +20,9 @@ import orjson
 
 from miles_fsm.diagnosis import Diagnosis, diagnose, rank_ranges
 from miles_fsm.ranks import plural_ranks
-from miles_fsm.trace_reader import EpochRange, TraceDirError, find_traces, read_ranks
+from miles_fsm.trace_files import find_traces
+from miles_fsm.trace_model import EpochRange, TraceDirError
+from miles_fsm.trace_reader import read_ranks
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_OK", "EXIT_PROBLEM", "add_parser", "render", "replay"]
 

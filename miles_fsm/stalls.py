@@ -10,11 +10,19 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from miles_fsm.schema import (
+    GUARD_FAILED,
+    RECOVERED,
+    STORE_UNREACHABLE,
+    TRANSITION_CANCELLED,
+    TRANSITION_FAILED,
+    VERIFY_FAILED,
+)
 from miles_fsm.ranks import plural_ranks
-from miles_fsm.trace_reader import FINISHED, RankTrace
+from miles_fsm.trace_model import FINISHED, RankTrace
 
 _CORE_EVENTS = frozenset(
-    ("guard_failed", "verify_failed", "store_unreachable", "transition_failed", "transition_cancelled", "recovered")
+    (GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE, TRANSITION_FAILED, TRANSITION_CANCELLED, RECOVERED)
 )
 
 #: A failed collective's ``transport`` (judged by the writer) -> how it accuses the silent rank.

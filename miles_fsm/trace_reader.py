@@ -19,221 +19,48 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from array import array
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from miles_fsm.schema import TRACE_OPENED
+from miles_fsm.schema import (
+    ACTION_STARTED,
+    GUARD_ENTERED,
+    GUARD_FAILED,
+    GUARD_PASSED,
+    RECOVERED,
+    STORE_UNREACHABLE,
+    TRACE_OPENED,
+    TRANSITION_CANCELLED,
+    TRANSITION_FAILED,
+    TRANSITION_FINISHED,
+    TRANSITION_STARTED,
+    VERIFIED,
+    VERIFY_FAILED,
+)
+from miles_fsm.trace_files import blocks, default_workers, preview
+from miles_fsm.trace_model import (
+    CANCELLED,
+    FAILED,
+    FINISHED,
+    NO_GUARD,
+    OPEN,
+    UNCLOSED,
+    BadLine,
+    EpochRange,
+    Illegal,
+    MachineTable,
+    Note,
+    Position,
+    RankTrace,
+    TraceDirError,
+)
 
-__all__ = [
-    "BadLine",
-    "EpochRange",
-    "Illegal",
-    "MachineTable",
-    "Note",
-    "Position",
-    "RankTrace",
-    "TraceDirError",
-    "find_traces",
-    "read_rank",
-    "read_ranks",
-]
+__all__ = ["read_rank", "read_ranks"]
 
-_NAME = re.compile(r"^rank-(\d+)\.jsonl$")
 _ACTION = b'"event":"action_'
-_BLOCK = 1 << 24
-
-#: Outcome codes of a position, one byte each.
-FINISHED, FAILED, CANCELLED, OPEN, UNCLOSED = b"F", b"X", b"C", b"O", b"U"
-
-#: Guard fields of a position whose guard was skipped (no collectives planned).
-NO_GUARD: tuple[Any, ...] = (None, (), None)
-
-
-class TraceDirError(ValueError):
-    """The trace directory cannot be read or holds no trace: bad input, exit code 2."""
-
-    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"{self.path}: {reason}")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EpochRange:
-    """Epochs ``first..last`` inclusive; ``last`` None means open-ended."""
-
-    first: int
-    last: int | None
-
-    @classmethod
-    def parse(cls, text: str) -> "EpochRange":
-        """``3`` (one epoch), ``2:5`` or ``2:`` (from 2 on)."""
-        lo, sep, hi = text.partition(":")
-        try:
-            first = int(lo) if lo else 0
-            last = (int(hi) if hi else None) if sep else first
-        except ValueError:
-            raise ValueError(f"--epoch wants N, A:B or A:, got {text!r}") from None
-        return cls(first=first, last=last)
-
-    def __contains__(self, epoch: object) -> bool:
-        return isinstance(epoch, int) and epoch >= self.first and (self.last is None or epoch <= self.last)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BadLine:
-    """A line that is not a trace record: reported with file:line, then skipped."""
-
-    path: str
-    line: int
-    reason: str
-    text: str
-
-    @property
-    def where(self) -> str:
-        return f"{self.path}:{self.line}"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Illegal:
-    """A recorded transition that the machine definition forbids."""
-
-    rank: int
-    position: int
-    line: int
-    seq: int | None
-    epoch: int | None
-    trigger: str | None
-    state: str | None
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Note:
-    """A notable record (a failure, a recovery), kept whole; there are few of them."""
-
-    position: int
-    line: int
-    event: str
-    record: dict[str, Any]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Position:
-    """Where a rank's trace ends, or what it was inside when it stopped."""
-
-    index: int
-    epoch: int
-    trigger: str
-    source: str
-    phase: str  # "planning", "guard", "step" or "between steps"
-    action: str | None
-    since_wall: float | None
-    since_mono_ns: int | None
-
-
-@dataclass(kw_only=True, slots=True)
-class RankTrace:
-    """One rank's trace, folded. Arrays are indexed by position (n-th transition started)."""
-
-    rank: int
-    path: str
-    world: int | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    lines: int = 0
-    records: int = 0
-    max_seq: int = -1
-    out_of_order: int = 0
-    bad: list[BadLine] = field(default_factory=list)
-    truncated: BadLine | None = None
-    epochs: array = field(default_factory=lambda: array("q"))
-    sigs: array = field(default_factory=lambda: array("l"))
-    guards: array = field(default_factory=lambda: array("l"))
-    work_s: array = field(default_factory=lambda: array("d"))
-    outcome: bytearray = field(default_factory=bytearray)
-    sig_table: list[tuple[str, str, str, tuple[str, ...]]] = field(default_factory=list)
-    guard_table: list[tuple[Any, ...]] = field(default_factory=list)
-    notes: list[Note] = field(default_factory=list)
-    illegal: list[Illegal] = field(default_factory=list)
-    verified: int = 0
-    unknown_events: int = 0
-    opened: int = 0
-    first_wall: float | None = None
-    first_mono_ns: int | None = None
-    last_wall: float | None = None
-    last_mono_ns: int | None = None
-    last_event: str | None = None
-    last_seq: int | None = None
-    last_line: int = 0
-    state: str | None = None
-    epoch: int = 0
-    open: Position | None = None
-    #: The writer's transition table (None: the trace names none; legality is then not checked).
-    table: MachineTable | None = None
-
-    @property
-    def positions(self) -> int:
-        return len(self.outcome)
-
-    @property
-    def lost(self) -> int:
-        """Records missing by sequence number (garbage lines, a truncated tail, a gap)."""
-        return max(0, self.max_seq + 1 - self.records)
-
-    @property
-    def strategy(self) -> str | None:
-        return self.meta.get("strategy")
-
-    @property
-    def guard_timeout_s(self) -> float | None:
-        value = self.meta.get("guard_timeout_s")
-        return float(value) if isinstance(value, (int, float)) else None
-
-    def trigger_at(self, index: int) -> str:
-        return self.sig_table[self.sigs[index]][0]
-
-    def describe_at(self, index: int) -> dict[str, Any]:
-        """The intent recorded at a position, field by field (None: not recorded)."""
-        trigger, source, dest, steps = self.sig_table[self.sigs[index]]
-        g = self.guards[index]
-        key, collectives, tensors = (None, None, None) if g < 0 else self.guard_table[g]
-        return {
-            "epoch": self.epochs[index],
-            "trigger": trigger,
-            "source state": source,
-            "destination": dest,
-            "steps": list(steps),
-            "guarded": None if g < 0 else key is not None,
-            "collectives": None if collectives is None else list(collectives),
-            "tensors": tensors,
-            "plan fingerprint": key,
-        }
-
-
-# --------------------------------------------------------------------- files
-
-
-def find_traces(path: str | os.PathLike[str]) -> dict[int, Path]:
-    """``rank-<r>.jsonl`` files in a directory, by rank. Rotated ``.jsonl.<n>`` files are older runs."""
-    root = Path(path)
-    if not root.exists():
-        raise TraceDirError(root, "no such directory")
-    if not root.is_dir():
-        raise TraceDirError(root, "not a directory (give the folder that holds rank-<r>.jsonl)")
-    try:
-        names = os.listdir(root)
-    except OSError as exc:
-        raise TraceDirError(root, f"cannot list it ({exc.strerror or exc})") from exc
-    found = {int(m.group(1)): root / n for n in names if (m := _NAME.match(n))}
-    if not found:
-        raise TraceDirError(root, "holds no rank-<r>.jsonl trace files")
-    return dict(sorted(found.items()))
 
 
 def read_ranks(
@@ -242,7 +69,7 @@ def read_ranks(
     """Fold every rank file; with ``workers`` > 1, in that many processes."""
     items = list(files.items())
     if workers is None:
-        workers = _default_workers(files.values())
+        workers = default_workers(files.values())
     if workers <= 1 or len(items) < 2:
         return [read_rank(p, r, epochs=epochs) for r, p in items]
     import multiprocessing as mp
@@ -259,91 +86,10 @@ def _read_item(item: tuple[int, Path], epochs: EpochRange | None) -> RankTrace:
     return read_rank(item[1], item[0], epochs=epochs)
 
 
-def _default_workers(paths: Iterable[Path]) -> int:
-    # A worker process costs about a second to start (it imports torch through
-    # miles_fsm), so spread only when there is far more than that to read.
-    total = 0
-    for p in paths:
-        try:
-            total += p.stat().st_size
-        except OSError:
-            continue  # read_rank reports it
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cpus, 8) if total > 256 << 20 else 1
-
-
-def _blocks(path: Path) -> Iterable[tuple[list[bytes], bool]]:
-    """(lines, True) block by block; then ([the incomplete last line], False) if there is one."""
-    with open(path, "rb") as f:
-        tail = b""
-        while True:
-            block = f.read(_BLOCK)
-            if not block:
-                break
-            lines = (tail + block if tail else block).split(b"\n")
-            tail = lines.pop()
-            yield lines, True
-    if tail:
-        yield [tail], False
-
-
-def _preview(line: bytes) -> str:
-    return line[:120].decode("utf-8", "replace")
-
-
-def iter_lines(path: Path) -> Iterable[tuple[int, bytes, bool]]:
-    """(line number, bytes, complete) for each line, read in blocks; the last may be incomplete."""
-    lineno = 0
-    with open(path, "rb") as f:
-        tail = b""
-        while True:
-            block = f.read(_BLOCK)
-            if not block:
-                break
-            lines = (tail + block).split(b"\n")
-            tail = lines.pop()
-            for line in lines:
-                lineno += 1
-                yield lineno, line, True
-        if tail:
-            yield lineno + 1, tail, False
-
-
-# ------------------------------------------------------------------- machine
-
-
-@dataclass(frozen=True, slots=True)
-class MachineTable:
-    """The writer's transition table, as its ``trace_opened`` record gives it."""
-
-    initial: str
-    failed: str
-    cycle_states: frozenset[str]
-    #: (source, trigger) -> (dest, the steps this rank's plan may run, in order)
-    arrows: dict[tuple[str, str], tuple[str, tuple[str, ...]]]
-
-    @classmethod
-    def parse(cls, described: Any) -> MachineTable | None:
-        """The table of a ``machine`` field, or None if it is missing or malformed."""
-        try:
-            arrows = {(src, trig): (dest, tuple(str(x) for x in steps))
-                      for src, trig, dest, steps in described["transitions"]}  # fmt: skip
-            initial, failed = str(described["initial"]), str(described["failed"])
-            states = frozenset(str(x) for x in described["states"]) - {initial, failed}
-        except (KeyError, TypeError, ValueError):
-            return None
-        return cls(initial=initial, failed=failed, cycle_states=states, arrows=arrows)
-
-    def allowed(self, state: str | None) -> list[str]:
-        return [trig for (src, trig) in self.arrows if src == state]
-
-
 def _subsequence(part: Sequence[str], whole: Sequence[str]) -> bool:
     it = iter(whole)
     return all(any(x == y for y in it) for x in part)
 
-
-# ---------------------------------------------------------------------- fold
 
 
 def read_rank(path: str | os.PathLike[str], rank: int, *, epochs: EpochRange | None = None) -> RankTrace:
@@ -414,7 +160,7 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
             )
         )
 
-    for lines, complete in _blocks(path):
+    for lines, complete in blocks(path):
         for line in lines:
             lineno += 1
             # Action records are most of a trace; only the last one is ever needed.
@@ -430,7 +176,7 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                 if not line or line.isspace():
                     continue
                 reason = "truncated last line" if not complete else f"not JSON ({str(exc).split(':')[0]})"
-                bad = BadLine(path=str(path), line=lineno, reason=reason, text=_preview(line))
+                bad = BadLine(path=str(path), line=lineno, reason=reason, text=preview(line))
                 if complete:
                     t.bad.append(bad)
                 else:
@@ -438,7 +184,7 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                 continue
             except (KeyError, TypeError, IndexError):
                 skipped += 1
-                t.bad.append(BadLine(path=str(path), line=lineno, reason="not a trace record", text=_preview(line)))
+                t.bad.append(BadLine(path=str(path), line=lineno, reason="not a trace record", text=preview(line)))
                 continue
             last_parsed_line = lineno
             last_rec = rec
@@ -448,9 +194,9 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                     t.out_of_order += 1
                 else:
                     prev_seq = seq
-            if epochs is not None and rec.get("epoch") not in epochs and event != "trace_opened":
+            if epochs is not None and rec.get("epoch") not in epochs and event != TRACE_OPENED:
                 continue
-            if event == "transition_started":
+            if event == TRANSITION_STARTED:
                 if cur_line:
                     close(UNCLOSED, nan)
                 trigger = rec.get("trigger")
@@ -478,7 +224,7 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                         illegal(lineno, rec, verdict, len(outcome))
                     legal = table.arrows.get((machine, trigger))
                     pending = legal[0] if legal is not None and machine == source else dest
-            elif event == "transition_finished":
+            elif event == TRANSITION_FINISHED:
                 state = rec.get("state")
                 if cur_line:
                     d = rec.get("duration_s")
@@ -490,7 +236,7 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                     illegal(lineno, rec, f"finished in {state}, but the machine moves to {pending}", len(outcome) - 1)
                 machine = state
                 pending = None
-            elif event == "guard_entered":
+            elif event == GUARD_ENTERED:
                 if cur_line:
                     cols = rec.get("collectives")
                     g = (rec.get("key"), tuple(cols) if cols.__class__ is list else (), rec.get("tensors"))
@@ -499,26 +245,26 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                         cur_guard = guard_ids[g] = len(t.guard_table)
                         t.guard_table.append(g)
                     cur_phase = "guard"
-            elif event == "guard_passed":
+            elif event == GUARD_PASSED:
                 if cur_line:
                     d = rec.get("duration_s")
                     cur_guard_s = d if d.__class__ is float else 0.0
                     cur_phase = "between steps"
-            elif event == "verified":
+            elif event == VERIFIED:
                 t.verified += 1
-            elif event == "transition_failed" or event == "transition_cancelled":
+            elif event == TRANSITION_FAILED or event == TRANSITION_CANCELLED:
                 _note(t, bool(cur_line), lineno, event, rec)
                 if cur_line:
-                    close(FAILED if event == "transition_failed" else CANCELLED, nan)
+                    close(FAILED if event == TRANSITION_FAILED else CANCELLED, nan)
                     cur_line = 0
                 else:
                     illegal(lineno, rec, f"{event} without transition_started", len(outcome) - 1)
-                if event == "transition_failed":
+                if event == TRANSITION_FAILED:
                     machine = table.failed if table is not None else rec.get("state")
                 pending = None
-            elif event in ("guard_failed", "verify_failed", "store_unreachable"):
+            elif event in (GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE):
                 _note(t, bool(cur_line), lineno, event, rec)
-            elif event == "recovered":
+            elif event == RECOVERED:
                 _note(t, bool(cur_line), lineno, event, rec)
                 target = rec.get("state")
                 if table is None:
@@ -558,7 +304,7 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
         if last_action_line > cur_line:
             rec = loads(last_action)
             act = rec.get("action")
-            cur_phase = "step" if rec.get("event") == "action_started" else "between steps"
+            cur_phase = "step" if rec.get("event") == ACTION_STARTED else "between steps"
         epoch = cur_rec.get("epoch")
         t.open = Position(
             index=len(outcome),

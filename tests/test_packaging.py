@@ -14,7 +14,7 @@ ROOT = Path(__file__).parents[1]
 
 @pytest.mark.slow
 def test_wheel_installs_and_imports_all_three_packages(tmp_path):
-    """The wheel maps states/ and drivers/ into miles_fsm, ships py.typed and the console script,
+    """The wheel maps states/, drivers/ and apps/ into miles_fsm, ships py.typed and the console script,
     and imports from the installed copy, not from the checkout."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
@@ -25,7 +25,9 @@ def test_wheel_installs_and_imports_all_three_packages(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "miles_fsm/py.typed" in names
     assert "miles_fsm/states/definition.py" in names
-    assert "miles_fsm/drivers/protocols.py" in names
+    assert "miles_fsm/states/protocols.py" in names
+    assert "miles_fsm/drivers/reference.py" in names
+    assert "miles_fsm/apps/cli.py" in names
     assert any(n.endswith("entry_points.txt") for n in names)
     site = tmp_path / "site"
     subprocess.run(

@@ -21,7 +21,9 @@ from miles_fsm.diagnosis import diagnose, rank_ranges
 from miles_fsm.perfetto import export_perfetto
 from miles_fsm.replay import render, replay
 from miles_fsm.states import DEFINITION, Strategy, Trigger, steps_for
-from miles_fsm.trace_reader import EpochRange, TraceDirError, find_traces, read_rank, read_ranks
+from miles_fsm.trace_files import find_traces
+from miles_fsm.trace_model import EpochRange, TraceDirError
+from miles_fsm.trace_reader import read_rank, read_ranks
 from toy import ToyEngine, ToyTrainer
 
 SYNC_PLAN = ["all_gather@dp[192:bfloat16]"]

@@ -1,0 +1,222 @@
+"""What the trace reader folds a rank's trace into: positions, notes, illegal moves, the machine's table.
+
+Plain data, shared by the reader (``miles_fsm.trace_reader``) and the
+diagnosis modules that read its output.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CANCELLED",
+    "FAILED",
+    "FINISHED",
+    "NO_GUARD",
+    "OPEN",
+    "UNCLOSED",
+    "BadLine",
+    "EpochRange",
+    "Illegal",
+    "MachineTable",
+    "Note",
+    "Position",
+    "RankTrace",
+    "TraceDirError",
+]
+
+#: Outcome codes of a position, one byte each.
+FINISHED, FAILED, CANCELLED, OPEN, UNCLOSED = b"F", b"X", b"C", b"O", b"U"
+
+#: Guard fields of a position whose guard was skipped (no collectives planned).
+NO_GUARD: tuple[Any, ...] = (None, (), None)
+
+
+class TraceDirError(ValueError):
+    """The trace directory cannot be read or holds no trace: bad input, exit code 2."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpochRange:
+    """Epochs ``first..last`` inclusive; ``last`` None means open-ended."""
+
+    first: int
+    last: int | None
+
+    @classmethod
+    def parse(cls, text: str) -> "EpochRange":
+        """``3`` (one epoch), ``2:5`` or ``2:`` (from 2 on)."""
+        lo, sep, hi = text.partition(":")
+        try:
+            first = int(lo) if lo else 0
+            last = (int(hi) if hi else None) if sep else first
+        except ValueError:
+            raise ValueError(f"--epoch wants N, A:B or A:, got {text!r}") from None
+        return cls(first=first, last=last)
+
+    def __contains__(self, epoch: object) -> bool:
+        return isinstance(epoch, int) and epoch >= self.first and (self.last is None or epoch <= self.last)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BadLine:
+    """A line that is not a trace record: reported with file:line, then skipped."""
+
+    path: str
+    line: int
+    reason: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Illegal:
+    """A recorded transition that the machine definition forbids."""
+
+    rank: int
+    position: int
+    line: int
+    seq: int | None
+    epoch: int | None
+    trigger: str | None
+    state: str | None
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Note:
+    """A notable record (a failure, a recovery), kept whole; there are few of them."""
+
+    position: int
+    line: int
+    event: str
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Position:
+    """Where a rank's trace ends, or what it was inside when it stopped."""
+
+    index: int
+    epoch: int
+    trigger: str
+    source: str
+    phase: str  # "planning", "guard", "step" or "between steps"
+    action: str | None
+    since_wall: float | None
+    since_mono_ns: int | None
+
+
+@dataclass(kw_only=True, slots=True)
+class RankTrace:
+    """One rank's trace, folded. Arrays are indexed by position (n-th transition started)."""
+
+    rank: int
+    path: str
+    world: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    lines: int = 0
+    records: int = 0
+    max_seq: int = -1
+    out_of_order: int = 0
+    bad: list[BadLine] = field(default_factory=list)
+    truncated: BadLine | None = None
+    epochs: array = field(default_factory=lambda: array("q"))
+    sigs: array = field(default_factory=lambda: array("l"))
+    guards: array = field(default_factory=lambda: array("l"))
+    work_s: array = field(default_factory=lambda: array("d"))
+    outcome: bytearray = field(default_factory=bytearray)
+    sig_table: list[tuple[str, str, str, tuple[str, ...]]] = field(default_factory=list)
+    guard_table: list[tuple[Any, ...]] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    illegal: list[Illegal] = field(default_factory=list)
+    verified: int = 0
+    unknown_events: int = 0
+    opened: int = 0
+    first_wall: float | None = None
+    first_mono_ns: int | None = None
+    last_wall: float | None = None
+    last_mono_ns: int | None = None
+    last_event: str | None = None
+    last_seq: int | None = None
+    last_line: int = 0
+    state: str | None = None
+    epoch: int = 0
+    open: Position | None = None
+    #: The writer's transition table (None: the trace names none; legality is then not checked).
+    table: MachineTable | None = None
+
+    @property
+    def positions(self) -> int:
+        return len(self.outcome)
+
+    @property
+    def lost(self) -> int:
+        """Records missing by sequence number (garbage lines, a truncated tail, a gap)."""
+        return max(0, self.max_seq + 1 - self.records)
+
+    @property
+    def strategy(self) -> str | None:
+        return self.meta.get("strategy")
+
+    @property
+    def guard_timeout_s(self) -> float | None:
+        value = self.meta.get("guard_timeout_s")
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def trigger_at(self, index: int) -> str:
+        return self.sig_table[self.sigs[index]][0]
+
+    def describe_at(self, index: int) -> dict[str, Any]:
+        """The intent recorded at a position, field by field (None: not recorded)."""
+        trigger, source, dest, steps = self.sig_table[self.sigs[index]]
+        g = self.guards[index]
+        key, collectives, tensors = (None, None, None) if g < 0 else self.guard_table[g]
+        return {
+            "epoch": self.epochs[index],
+            "trigger": trigger,
+            "source state": source,
+            "destination": dest,
+            "steps": list(steps),
+            "guarded": None if g < 0 else key is not None,
+            "collectives": None if collectives is None else list(collectives),
+            "tensors": tensors,
+            "plan fingerprint": key,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MachineTable:
+    """The writer's transition table, as its ``trace_opened`` record gives it."""
+
+    initial: str
+    failed: str
+    cycle_states: frozenset[str]
+    #: (source, trigger) -> (dest, the steps this rank's plan may run, in order)
+    arrows: dict[tuple[str, str], tuple[str, tuple[str, ...]]]
+
+    @classmethod
+    def parse(cls, described: Any) -> MachineTable | None:
+        """The table of a ``machine`` field, or None if it is missing or malformed."""
+        try:
+            arrows = {(src, trig): (dest, tuple(str(x) for x in steps))
+                      for src, trig, dest, steps in described["transitions"]}  # fmt: skip
+            initial, failed = str(described["initial"]), str(described["failed"])
+            states = frozenset(str(x) for x in described["states"]) - {initial, failed}
+        except (KeyError, TypeError, ValueError):
+            return None
+        return cls(initial=initial, failed=failed, cycle_states=states, arrows=arrows)
+
+    def allowed(self, state: str | None) -> list[str]:
+        return [trig for (src, trig) in self.arrows if src == state]

@@ -1,0 +1,127 @@
+"""One-way layers, checked by import-linter: engine < states < drivers < apps.
+
+pyproject maps ``miles_fsm.states``, ``miles_fsm.drivers`` and
+``miles_fsm.apps`` onto top-level folders, so the installed package has no
+such folders under ``miles_fsm/`` and import-linter (through grimp, which
+walks the package's directory) would see none of their modules. The test
+lays out the package as an installed wheel would, in a temporary tree of
+symbolic links, and runs ``lint-imports`` on it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("states", "drivers", "apps")
+
+pytest.importorskip("importlinter", reason="the layer check needs import-linter (the 'test' extra installs it)")
+
+
+def _engine_modules() -> list[str]:
+    return sorted(
+        f"miles_fsm.{p.stem}" for p in (ROOT / "miles_fsm").glob("*.py") if p.stem not in ("__init__", "__main__")
+    )
+
+
+def _tree(tmp: Path) -> Path:
+    """``miles_fsm/`` with the mapped folders linked in where a wheel would put them."""
+    pkg = tmp / "site" / "miles_fsm"
+    pkg.mkdir(parents=True)
+    for entry in (ROOT / "miles_fsm").iterdir():
+        if entry.name != "__pycache__":
+            (pkg / entry.name).symlink_to(entry)
+    for layer in LAYERS:
+        (pkg / layer).symlink_to(ROOT / layer, target_is_directory=True)
+    return pkg.parent
+
+
+def _config(tmp: Path, extra: tuple[str, ...]) -> Path:
+    engine = "".join(f"    {m}\n" for m in [*_engine_modules(), *extra])
+    text = f"""[importlinter]
+root_package = miles_fsm
+# The facade's TYPE_CHECKING imports exist for type checkers only; its names resolve lazily.
+exclude_type_checking_imports = True
+
+[importlinter:contract:engine]
+name = the engine (miles_fsm/*.py) imports no layer above it
+type = forbidden
+source_modules =
+{engine}forbidden_modules =
+    miles_fsm.states
+    miles_fsm.drivers
+    miles_fsm.apps
+
+[importlinter:contract:states]
+name = the lifecycle (states/) imports neither the drivers nor the apps
+type = forbidden
+source_modules =
+    miles_fsm.states
+forbidden_modules =
+    miles_fsm.drivers
+    miles_fsm.apps
+
+[importlinter:contract:drivers]
+name = the drivers (drivers/) do not import the apps
+type = forbidden
+source_modules =
+    miles_fsm.drivers
+forbidden_modules =
+    miles_fsm.apps
+"""
+    path = tmp / "importlinter.ini"
+    path.write_text(text)
+    return path
+
+
+def _lint(tmp: Path, site: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    lint = Path(sys.executable).with_name("lint-imports")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    return subprocess.run(
+        [str(lint), "--config", str(_config(tmp, extra)), "--no-cache"],
+        capture_output=True, text=True, env=env, cwd=tmp, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_import_graph_sees_every_layer(tmp_path):
+    """grimp finds modules of all four layers in the linked tree (else the contracts would pass vacuously)."""
+    import grimp
+
+    site = _tree(tmp_path)
+    sys.path.insert(0, str(site))
+    saved = {k: v for k, v in sys.modules.items() if k == "miles_fsm" or k.startswith("miles_fsm.")}
+    try:
+        for k in saved:
+            del sys.modules[k]
+        graph = grimp.build_graph("miles_fsm", cache_dir=None)
+    finally:
+        sys.path.remove(str(site))
+        for k in [k for k in sys.modules if k == "miles_fsm" or k.startswith("miles_fsm.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    modules = graph.modules
+    for layer in LAYERS:
+        assert any(m.startswith(f"miles_fsm.{layer}.") for m in modules), f"grimp saw no module of {layer}/"
+    assert set(_engine_modules()) <= modules
+
+
+def test_no_layer_imports_one_above_it(tmp_path):
+    """import-linter keeps every contract: engine < states < drivers < apps, direct or indirect."""
+    result = _lint(tmp_path, _tree(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 3 kept, 0 broken." in result.stdout
+
+
+def test_an_upward_import_is_reported(tmp_path):
+    """The check can fail: an engine module that imports the lifecycle breaks the engine contract."""
+    site = _tree(tmp_path)
+    planted = site / "miles_fsm" / "zz_planted.py"
+    planted.write_text("from miles_fsm.states import DEFINITION\n")
+    result = _lint(tmp_path, site, extra=("miles_fsm.zz_planted",))
+    assert result.returncode != 0
+    assert "miles_fsm.zz_planted -> miles_fsm.states" in result.stdout
