@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_fsm.apps.bench import gpu_train_step as train_step
+from lifecycle.gpu import gpu_train_step as train_step
 
 os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")  # a known hang after a resume (stack-facts)
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

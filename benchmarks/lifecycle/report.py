@@ -1,0 +1,55 @@
+"""The ratios docs/benchmarks.md quotes, and the JSON file with everything measured."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .transitions import CYCLE
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The ratios docs/benchmarks.md quotes: steady cycles (after the verified ones) for the data path."""
+    summary: dict[str, Any] = {}
+    for strategy, data in result["run"]["strategies"].items():
+        cycles = data["cycles"]
+        steady = [c for c in cycles if not c["verified"]] or cycles[1:] or cycles
+        entry: dict[str, Any] = {}
+        for phase in ("offload", "wake"):
+            vals = [c[phase] for c in steady]
+            entry[phase] = {
+                "median_s": statistics.median(v["data_path_s"] for v in vals),
+                "bytes": vals[-1]["host_bytes_crossed"],
+                "median_GBps": statistics.median(v["GBps"] for v in vals if v["GBps"] is not None)
+                if any(v["GBps"] for v in vals) else None,
+                "limit_GBps": vals[-1]["limit_GBps"],
+            }
+            g, lim = entry[phase]["median_GBps"], entry[phase]["limit_GBps"]
+            entry[phase]["vs_limit"] = g / lim if g and lim else None
+            entry[phase]["first_cycle_s"] = cycles[0][phase]["data_path_s"]
+        fractions = {
+            n: max(c["transitions"][n]["guard_trace_fraction"] for c in steady) for n in CYCLE
+        }
+        entry["max_guard_trace_fraction"] = fractions
+        entry["transitions_median_s"] = {n: statistics.median(c["transitions"][n]["s"] for c in steady) for n in CYCLE}
+        entry["host_bytes"] = data["host_bytes"]
+        summary[strategy] = entry
+    v = result["run"]["verification"]
+    summary["verification"] = {k: v[k] for k in ("bytes", "pipelined_GBps", "naive_per_tensor_GBps",
+                                                 "threaded_per_tensor_GBps", "speedup_vs_naive", "stable")}
+    if "demo" in result:
+        summary["demo_max_guard_trace_fraction"] = {
+            label: {t: row["max_guard_trace_fraction"] for t, row in d["transitions"].items()}
+            for label, d in result["demo"].items()
+        }
+    return summary
+
+
+def write_result(result: dict[str, Any], out: Path) -> None:
+    """The whole result to ``out``; the summary to stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str))
+    print(json.dumps(result["summary"], indent=2, default=str))
+    print(f"wrote {out}", flush=True)
