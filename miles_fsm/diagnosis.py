@@ -19,9 +19,9 @@ from typing import Any
 from miles_fsm import stalls
 from miles_fsm.divergence import first_divergence
 from miles_fsm.ranks import plural_ranks, rank_ranges
-from miles_fsm.schema import GUARD_FAILED, TRANSITION_FAILED, VERIFIED, VERIFY_FAILED, error_fields
-from miles_fsm.trace_model import FAILED as OUT_FAILED
-from miles_fsm.trace_model import FINISHED, RankTrace
+from miles_fsm import evidence, rank_summary
+from miles_fsm.evidence import first_line
+from miles_fsm.trace_model import RankTrace
 
 __all__ = ["Diagnosis", "Verdict", "diagnose", "rank_ranges"]
 
@@ -117,10 +117,51 @@ def diagnose(
     missing = [r for r in wanted if r not in by_rank]
     last_wall = max((t.last_wall for t in traces if t.last_wall is not None), default=None)
 
-    problems: list[_Problem] = []
     divergence = first_divergence(traces)
-    illegal = [_illegal_json(i) for t in traces for i in t.illegal]
-    illegal.sort(key=lambda i: (i["position"], i["rank"]))
+    illegal = sorted((rank_summary.illegal_json(i) for t in traces for i in t.illegal),
+                     key=lambda i: (i["position"], i["rank"]))  # fmt: skip
+    guard_failures = evidence.guard_failures(traces)
+    failures = evidence.step_failures(traces)
+    located = stalls.located(traces)
+    accused = stalls.accusations(traces, guard_failures, failures, located)
+    stuck = stalls.stopped(traces, by_rank, missing, guard_failures, accused, last_wall)
+    verification = evidence.verification_failures(traces)
+
+    problems = [
+        *_divergence_problems(divergence, illegal, guard_failures),
+        *_stop_problems(stuck),
+        *([_corruption(verification, located)] if verification else []),
+        *_failure_problems(failures, stopped_at=min((s["position"] for s in stuck), default=None)),
+    ]
+    trace_problems = rank_summary.trace_problems(traces, missing)
+    verdict, headline, culprit, notes = _judge(problems, traces, by_rank, missing, trace_problems)
+    ranks = [rank_summary.rank_json(t) for t in traces] + [{"rank": r, "status": "missing", "file": None}
+                                                           for r in missing]  # fmt: skip
+    ranks.sort(key=lambda r: r["rank"])
+    return Diagnosis(
+        verdict=verdict,
+        headline=headline,
+        world=world,
+        culprit=culprit,
+        ranks=ranks,
+        missing_ranks=missing,
+        first_divergence=None if divergence is None else {k: v for k, v in divergence.items() if k != "summary"},
+        stuck=stuck,
+        illegal=illegal,
+        verification=verification,
+        guard_failures=guard_failures,
+        failures=failures,
+        stragglers=stalls.stragglers(traces, straggler_ratio, straggler_floor_s),
+        trace_problems=trace_problems,
+        notes=notes,
+    )
+
+
+def _divergence_problems(
+    divergence: dict[str, Any] | None, illegal: list[dict[str, Any]], guard_failures: list[dict[str, Any]]
+) -> list[_Problem]:
+    """Ranks that did different things: a divergent intent, an illegal move, or the guard's own report."""
+    problems = []
     if divergence is not None:
         problems.append(
             _Problem(
@@ -146,8 +187,6 @@ def diagnose(
                 f"(epoch {first['epoch']}, {first['trigger']})",
             )
         )
-
-    guard_failures = _guard_failures(traces)
     for g in guard_failures:
         if g["error"] == "RankDivergenceError" and divergence is None:
             culprits = tuple(g.get("culprits") or ())
@@ -162,11 +201,12 @@ def diagnose(
                     f"{g.get('field')}; suspect {plural_ranks(list(culprits)) if culprits else 'unknown'}",
                 )
             )
+    return problems
 
-    failures = _step_failures(traces)
-    located = stalls.located(traces)
-    accused = stalls.accusations(traces, guard_failures, failures, located)
-    stuck = stalls.stopped(traces, by_rank, missing, guard_failures, accused, last_wall)
+
+def _stop_problems(stuck: list[dict[str, Any]]) -> list[_Problem]:
+    """Ranks that stopped: crashed, stuck, or silent with nobody waiting on them (incomplete)."""
+    problems = []
     for s in stuck:
         verdict = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK}.get(s["how"])
         if verdict is None:
@@ -181,12 +221,12 @@ def diagnose(
                 headline=s["summary"],
             )
         )
-    stopped_at = min((s["position"] for s in stuck), default=None)
+    return problems
 
-    verification = _verification(traces)
-    if verification:
-        problems.append(_corruption(verification, located))
 
+def _failure_problems(failures: list[dict[str, Any]], *, stopped_at: int | None) -> list[_Problem]:
+    """Steps that raised (verification failures are judged apart, by ``_corruption``)."""
+    problems = []
     for f in failures:
         if f["verification"]:
             continue
@@ -200,57 +240,46 @@ def diagnose(
                 epoch=f["epoch"],
                 transition=f["transition"],
                 headline=f"rank {f['rank']} failed in {f['action']} of {f['transition']} (epoch {f['epoch']}): "
-                f"{f['error']}: {_first_line(f['message'])}",
+                f"{f['error']}: {first_line(f['message'])}",
                 consequence=consequence,
             )
         )
+    return problems
 
-    trace_problems = _trace_problems(traces, missing)
-    notes: list[str] = []
+
+def _judge(
+    problems: list[_Problem],
+    traces: Sequence[RankTrace],
+    by_rank: dict[int, RankTrace],
+    missing: list[int],
+    trace_problems: dict[str, Any],
+) -> tuple[str, str, dict[str, Any] | None, list[str]]:
+    """The verdict, headline, culprit and notes: the earliest cause wins; what follows it is its consequence."""
     causes = [p for p in problems if not p.consequence] or problems
-    if causes:
-        first_pos = min(p.position for p in causes)
-        at_first = sorted((p for p in causes if p.position == first_pos), key=lambda p: _RANK[p.verdict])
-        lead = at_first[0]
-        same = [p for p in at_first if p.verdict == lead.verdict]
-        culprits = sorted({r for p in same for r in p.culprits})
-        verdict = lead.verdict
-        headline = lead.headline if len(same) == 1 else f"{lead.headline} (and {len(same) - 1} more like it)"
-        culprit = {"ranks": culprits, "epoch": lead.epoch, "transition": lead.transition, "position": first_pos}
-        damaged = [r for r in culprits if r in by_rank and (by_rank[r].lost or by_rank[r].bad)]
-        if verdict == Verdict.DIVERGENCE and culprits and len(damaged) == len(culprits):
-            # A lost record shifts that rank's transitions: the "divergence" may be the damage itself.
-            verdict = Verdict.INCOMPLETE
-            headline = (
-                f"the traces of {plural_ranks(damaged)} are damaged (records lost to bad lines), and that is where "
-                f"they seem to diverge: {headline}"
-            )
-        later = [p for p in problems if p not in same]
-        if later:
-            notes.append(f"{len(later)} more problem(s) at or after this point, most likely its consequences (below)")
-    else:
-        culprit = None
+    if not causes:
         verdict, headline = _clean_verdict(traces, missing, trace_problems)
-    stragglers = stalls.stragglers(traces, straggler_ratio, straggler_floor_s)
-    ranks = [_rank_json(t) for t in traces] + [{"rank": r, "status": "missing", "file": None} for r in missing]
-    ranks.sort(key=lambda r: r["rank"])
-    return Diagnosis(
-        verdict=verdict,
-        headline=headline,
-        world=world,
-        culprit=culprit,
-        ranks=ranks,
-        missing_ranks=missing,
-        first_divergence=None if divergence is None else {k: v for k, v in divergence.items() if k != "summary"},
-        stuck=stuck,
-        illegal=illegal,
-        verification=verification,
-        guard_failures=guard_failures,
-        failures=failures,
-        stragglers=stragglers,
-        trace_problems=trace_problems,
-        notes=notes,
-    )
+        return verdict, headline, None, []
+    notes: list[str] = []
+    first_pos = min(p.position for p in causes)
+    at_first = sorted((p for p in causes if p.position == first_pos), key=lambda p: _RANK[p.verdict])
+    lead = at_first[0]
+    same = [p for p in at_first if p.verdict == lead.verdict]
+    culprits = sorted({r for p in same for r in p.culprits})
+    verdict = lead.verdict
+    headline = lead.headline if len(same) == 1 else f"{lead.headline} (and {len(same) - 1} more like it)"
+    culprit = {"ranks": culprits, "epoch": lead.epoch, "transition": lead.transition, "position": first_pos}
+    damaged = [r for r in culprits if r in by_rank and (by_rank[r].lost or by_rank[r].bad)]
+    if verdict == Verdict.DIVERGENCE and culprits and len(damaged) == len(culprits):
+        # A lost record shifts that rank's transitions: the "divergence" may be the damage itself.
+        verdict = Verdict.INCOMPLETE
+        headline = (
+            f"the traces of {plural_ranks(damaged)} are damaged (records lost to bad lines), and that is where "
+            f"they seem to diverge: {headline}"
+        )
+    later = [p for p in problems if p not in same]
+    if later:
+        notes.append(f"{len(later)} more problem(s) at or after this point, most likely its consequences (below)")
+    return verdict, headline, culprit, notes
 
 
 def _corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]]) -> _Problem:
@@ -318,188 +347,7 @@ def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: dict[str
     )
 
 
-# ----------------------------------------------------------------- failures
-
-
-def _guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
-    """Guard failures grouped by position and error: who failed and what they said."""
-    grouped: dict[tuple[int, str], dict[str, Any]] = {}
-    for t in traces:
-        for n in t.notes:
-            if n.event != GUARD_FAILED:
-                continue
-            rec = n.record
-            fields = error_fields(rec)
-            key = (n.position, rec.get("error") or "?")
-            g = grouped.get(key)
-            if g is None:
-                g = grouped[key] = {
-                    "position": n.position,
-                    "epoch": rec.get("epoch"),
-                    "transition": rec.get("trigger"),
-                    "error": rec.get("error"),
-                    "ranks": [],
-                    "missing": set(),
-                    "field": fields.get("field"),
-                    "culprits": fields.get("culprits"),
-                    "groups": fields.get("groups"),
-                    "detail": fields.get("detail"),
-                    "message": _first_line(rec.get("message") or ""),
-                }
-            g["ranks"].append(t.rank)
-            g["missing"].update(fields.get("missing") or ())
-    out = []
-    for g in sorted(grouped.values(), key=lambda g: (g["position"], str(g["error"]))):
-        g["ranks"].sort()
-        g["missing"] = sorted(g["missing"])
-        out.append(g)
-    return out
-
-
-def _verification(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
-    out = []
-    for t in traces:
-        for n in t.notes:
-            if n.event == VERIFY_FAILED:
-                rec = n.record
-                out.append(
-                    {
-                        "rank": t.rank,
-                        "position": n.position,
-                        "epoch": rec.get("epoch"),
-                        "transition": rec.get("trigger"),
-                        "where": rec.get("where") or "trainer",
-                        "tensors": list(rec.get("tensors") or ()),
-                        "line": n.line,
-                    }
-                )
-    out.sort(key=lambda v: (v["position"], v["rank"]))
-    return out
-
-
-_VERIFY_ERRORS = frozenset(("VerificationError", "TensorSetChangedError"))
-
-
-def _step_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
-    """Transitions that failed in a step (an action raised): not the guard's failures."""
-    out = []
-    for t in traces:
-        for n in t.notes:
-            rec = n.record
-            if n.event != TRANSITION_FAILED or rec.get("phase") != "step":
-                continue
-            out.append(
-                {
-                    "rank": t.rank,
-                    "position": n.position,
-                    "epoch": rec.get("epoch"),
-                    "transition": rec.get("trigger"),
-                    "action": rec.get("action"),
-                    "error": rec.get("error"),
-                    "message": rec.get("message"),
-                    "transport": rec.get("transport"),
-                    "verification": rec.get("error") in _VERIFY_ERRORS,
-                }
-            )
-    out.sort(key=lambda f: (f["position"], f["rank"]))
-    return out
-
-
 # ----------------------------------------------------------------- the rest
-
-
-def _trace_problems(traces: Sequence[RankTrace], missing: list[int]) -> dict[str, Any]:
-    bad = [
-        {"file": b.path, "line": b.line, "where": b.where, "reason": b.reason, "text": b.text}
-        for t in traces
-        for b in t.bad
-    ]
-    truncated = [
-        {"file": t.truncated.path, "line": t.truncated.line, "where": t.truncated.where, "rank": t.rank}
-        for t in traces
-        if t.truncated is not None
-    ]
-    lost = {str(t.rank): t.lost for t in traces if t.lost}
-    warnings = []
-    for t in traces:
-        if t.opened > 1:
-            warnings.append(f"{t.path} holds {t.opened} runs (trace_opened {t.opened} times); positions may mix them")
-        if t.out_of_order:
-            warnings.append(f"{t.path}: {t.out_of_order} record(s) out of sequence order")
-        if "rank_in_records" in t.meta:
-            warnings.append(f"{t.path} holds records of rank {t.meta['rank_in_records']}")
-        v = t.meta.get("v")
-        if v is not None and v != 1:
-            warnings.append(f"{t.path}: schema version {v}; replay reads version 1")
-    return {
-        "bad_lines": bad,
-        "truncated": truncated,
-        "lost_records": lost,
-        "missing_ranks": missing,
-        "warnings": warnings,
-    }
-
-
-def _illegal_json(i: Any) -> dict[str, Any]:
-    return {
-        "rank": i.rank,
-        "position": i.position,
-        "line": i.line,
-        "seq": i.seq,
-        "epoch": i.epoch,
-        "trigger": i.trigger,
-        "state": i.state,
-        "reason": i.reason,
-    }
-
-
-def _rank_json(t: RankTrace) -> dict[str, Any]:
-    if t.open is not None:
-        status = "open"
-    elif t.state == "FAILED":
-        status = "failed"
-    elif t.positions == 0:
-        status = "empty"
-    else:
-        status = "done"
-    out: dict[str, Any] = {
-        "rank": t.rank,
-        "file": t.path,
-        "status": status,
-        "state": t.state,
-        "epoch": t.epoch,
-        "transitions": t.positions,
-        "finished": sum(1 for c in t.outcome if c == FINISHED[0]),
-        "failed": sum(1 for c in t.outcome if c == OUT_FAILED[0]),
-        "last_event": t.last_event,
-        "last_seq": t.last_seq,
-        "records": t.records,
-        VERIFIED: t.verified,
-        "host": t.meta.get("host"),
-        "pid": t.meta.get("pid"),
-        "strategy": t.strategy,
-    }
-    if t.open is not None:
-        out["inside"] = {
-            "transition": t.open.trigger,
-            "epoch": t.open.epoch,
-            "phase": t.open.phase,
-            "action": t.open.action,
-        }
-    fail = next((n.record for n in reversed(t.notes) if n.event == TRANSITION_FAILED), None)
-    if fail is not None and t.state == "FAILED":
-        out["error"] = {
-            "type": fail.get("error"),
-            "message": _first_line(fail.get("message") or ""),
-            "transition": fail.get("trigger"),
-            "epoch": fail.get("epoch"),
-            "action": fail.get("action"),
-        }
-    return out
-
-
-def _first_line(text: str) -> str:
-    return text.splitlines()[0] if text else ""
 
 
 def _names(names: Sequence[str], limit: int = 8) -> str:

@@ -220,10 +220,10 @@ def _export_rank(
         elif event == VERIFY_FAILED:
             tx.instant("verify failed", ts, "failure", {"tensors": rec.get("tensors"), "where": rec.get("where")})
         elif event == VERIFIED:
-            tx.instant(VERIFIED, ts, "verify", {"tensors": rec.get("tensors")})
+            tx.instant("verified", ts, "verify", {"tensors": rec.get("tensors")})
         elif event == RECOVERED:
             states.close_all(ts)
-            states.begin(str(state), ts, "state", {"epoch": epoch, RECOVERED: True})
+            states.begin(str(state), ts, "state", {"epoch": epoch, "recovered": True})
         elif event != TRACE_OPENED:
             tx.instant(str(event), ts, "other", {k: v for k, v in rec.items() if k not in _COMMON})
     tx.close_all(last_ts)

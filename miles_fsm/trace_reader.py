@@ -280,6 +280,7 @@ def _fold(t: RankTrace, path: Path, epochs: EpochRange | None) -> None:
                 if t.opened == 1:
                     t.meta = {k: v for k, v in rec.items() if k not in _COMMON}
                     first_rec = rec
+                    t.meta["schema"] = rec.get("v")
                     table = t.table = MachineTable.parse(t.meta.pop("machine", None))
                     if epochs is None and machine is None and table is not None:
                         machine = table.initial

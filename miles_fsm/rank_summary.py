@@ -1,0 +1,103 @@
+"""Per-rank summaries and the health of the trace files themselves, for the replay report."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from miles_fsm.evidence import first_line
+from miles_fsm.schema import SCHEMA_VERSION, TRANSITION_FAILED
+from miles_fsm.trace_model import FAILED as OUT_FAILED
+from miles_fsm.trace_model import FINISHED, RankTrace
+
+__all__ = ["illegal_json", "rank_json", "trace_problems"]
+
+
+def trace_problems(traces: Sequence[RankTrace], missing: list[int]) -> dict[str, Any]:
+    bad = [
+        {"file": b.path, "line": b.line, "where": b.where, "reason": b.reason, "text": b.text}
+        for t in traces
+        for b in t.bad
+    ]
+    truncated = [
+        {"file": t.truncated.path, "line": t.truncated.line, "where": t.truncated.where, "rank": t.rank}
+        for t in traces
+        if t.truncated is not None
+    ]
+    lost = {str(t.rank): t.lost for t in traces if t.lost}
+    warnings = []
+    for t in traces:
+        if t.opened > 1:
+            warnings.append(f"{t.path} holds {t.opened} runs (trace_opened {t.opened} times); positions may mix them")
+        if t.out_of_order:
+            warnings.append(f"{t.path}: {t.out_of_order} record(s) out of sequence order")
+        if "rank_in_records" in t.meta:
+            warnings.append(f"{t.path} holds records of rank {t.meta['rank_in_records']}")
+        v = t.meta.get("schema")
+        if v is not None and v != SCHEMA_VERSION:
+            warnings.append(f"{t.path}: schema version {v}; replay reads version {SCHEMA_VERSION}")
+    return {
+        "bad_lines": bad,
+        "truncated": truncated,
+        "lost_records": lost,
+        "missing_ranks": missing,
+        "warnings": warnings,
+    }
+
+
+def illegal_json(i: Any) -> dict[str, Any]:
+    return {
+        "rank": i.rank,
+        "position": i.position,
+        "line": i.line,
+        "seq": i.seq,
+        "epoch": i.epoch,
+        "trigger": i.trigger,
+        "state": i.state,
+        "reason": i.reason,
+    }
+
+
+def rank_json(t: RankTrace) -> dict[str, Any]:
+    if t.open is not None:
+        status = "open"
+    elif t.state == "FAILED":
+        status = "failed"
+    elif t.positions == 0:
+        status = "empty"
+    else:
+        status = "done"
+    out: dict[str, Any] = {
+        "rank": t.rank,
+        "file": t.path,
+        "status": status,
+        "state": t.state,
+        "epoch": t.epoch,
+        "transitions": t.positions,
+        "finished": sum(1 for c in t.outcome if c == FINISHED[0]),
+        "failed": sum(1 for c in t.outcome if c == OUT_FAILED[0]),
+        "last_event": t.last_event,
+        "last_seq": t.last_seq,
+        "records": t.records,
+        "verified": t.verified,
+        "host": t.meta.get("host"),
+        "pid": t.meta.get("pid"),
+        "strategy": t.strategy,
+    }
+    if t.open is not None:
+        out["inside"] = {
+            "transition": t.open.trigger,
+            "epoch": t.open.epoch,
+            "phase": t.open.phase,
+            "action": t.open.action,
+        }
+    fail = next((n.record for n in reversed(t.notes) if n.event == TRANSITION_FAILED), None)
+    if fail is not None and t.state == "FAILED":
+        out["error"] = {
+            "type": fail.get("error"),
+            "message": first_line(fail.get("message") or ""),
+            "transition": fail.get("trigger"),
+            "epoch": fail.get("epoch"),
+            "action": fail.get("action"),
+        }
+    return out
