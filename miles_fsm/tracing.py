@@ -20,10 +20,10 @@ from typing import Any, Protocol
 import orjson
 import structlog
 
-__all__ = ["SCHEMA_VERSION", "NullTracer", "Tracer", "TraceSink", "trace_path"]
+from miles_fsm.schema import SCHEMA_VERSION, TRACE_OPENED
 
-#: Bumped when a field changes meaning; ``miles-fsm replay`` checks it.
-SCHEMA_VERSION = 1
+__all__ = ["NullTracer", "TraceSink", "Tracer", "trace_path"]
+
 
 
 def trace_path(trace_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -109,7 +109,7 @@ class Tracer:
             cache_logger_on_first_use=True,
         ).bind(v=SCHEMA_VERSION, rank=rank, world=world)
         self.emit(
-            "trace_opened",
+            TRACE_OPENED,
             epoch=0,
             state=None,
             trigger=None,

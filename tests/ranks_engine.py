@@ -9,7 +9,6 @@ from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, Trigger
 from miles_fsm.launch import RankContext
 from toy import ToyEngine, ToyTrainer
 
-CYCLE = ("offload", "pause", "rematerialize", "sync", "resume")
 
 
 def build(ctx: RankContext, **trainer_kw: Any) -> tuple[Lifecycle, ToyTrainer]:
@@ -33,8 +32,8 @@ def cycles(ctx: RankContext) -> dict[str, Any]:
             time.sleep(3600)
 
     for _ in range(ctx.kwargs.get("cycles", 2)):
-        for t in CYCLE:
-            lc.fire(t, before_guard=stall if t == "sync" else None)
+        for t in lc.cycle:
+            lc.fire(t, before_guard=stall if t is Trigger.SYNC else None)
     return {"calls": trainer.calls, "state": lc.state.value, "epoch": lc.epoch, "w": trainer.params["w"].float().sum().item()}
 
 

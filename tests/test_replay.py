@@ -20,7 +20,7 @@ from miles_fsm.apps.cli import main
 from miles_fsm.diagnosis import diagnose, rank_ranges
 from miles_fsm.perfetto import export_perfetto
 from miles_fsm.replay import render, replay
-from miles_fsm.states import DEFINITION, Strategy, Trigger, steps_for
+from miles_fsm.states import CYCLE, DEFINITION, Strategy, Trigger, steps_for
 from miles_fsm.trace_files import find_traces
 from miles_fsm.trace_model import EpochRange, TraceDirError
 from miles_fsm.trace_reader import read_rank, read_ranks
@@ -114,8 +114,8 @@ class RankWriter:
         if self.state == "INITIAL":
             self.transition("start")
         for _ in range(n):
-            for trig in ("offload", "pause", "rematerialize", "sync", "resume"):
-                self.transition(trig, **per_trigger.get(trig, {}))
+            for trig in CYCLE:
+                self.transition(trig.value, **per_trigger.get(trig.value, {}))
                 if self.state == "FAILED":
                     return
 

@@ -28,13 +28,13 @@ from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError, Eng
 from miles_fsm.errors import ConfigError, MissingDependencyError
 from miles_fsm.states.errors import MemoryTagError, WeightVersionError
 from miles_fsm.states.lifecycle import Lifecycle
+from miles_fsm.testing import run_cycles
 from miles_fsm.states import Side, State, Strategy
 from sglang_server import FakeEngine, serve
 from toy import ToyTrainer
 
 pytestmark = pytest.mark.timeout(60)
 
-CYCLE = ("offload", "pause", "rematerialize", "sync", "resume")
 
 
 @pytest.fixture
@@ -54,8 +54,7 @@ def _lifecycle(trainer, driver) -> Lifecycle:
 
 
 def _cycle(lc: Lifecycle) -> None:
-    for trigger in CYCLE:
-        lc.fire(trigger)
+    run_cycles(lc)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

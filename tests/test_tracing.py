@@ -13,7 +13,8 @@ import orjson
 import structlog
 
 from miles_fsm import Lifecycle, LifecycleConfig
-from miles_fsm.tracing import SCHEMA_VERSION, Tracer
+from miles_fsm.schema import SCHEMA_VERSION
+from miles_fsm.tracing import Tracer
 from toy import ToyEngine, ToyTrainer
 
 REQUIRED = {"v", "rank", "world", "epoch", "seq", "mono_ns", "wall", "event", "state", "trigger"}
