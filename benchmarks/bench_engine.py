@@ -14,7 +14,8 @@ in-flight bookkeeping, trace records and the result objects. Three setups:
 Anchors measured in the same run: a plain ``orjson.dumps`` + ``write(2)``
 of a record of the same size (what one trace line costs at the least), and
 a bare dict lookup of the arrow (what choosing the transition costs at the
-least). Rounds alternate setups; the JSON holds every round, the text the
+least), and a bare ``transitions`` machine of the same shape with no-op
+callbacks (the executor's own share). Rounds alternate setups; the JSON holds every round, the text the
 median and the spread (min-max) over rounds.
 """
 
@@ -156,6 +157,33 @@ def plain_write_us(directory: str, n: int) -> float:
         return (time.perf_counter() - t0) / n * 1e6
 
 
+def transitions_alone_us(cycles: int) -> float:
+    """A bare ``transitions`` machine of the same shape, its four callbacks no-ops: the executor's own cost."""
+    import transitions
+
+    class Model:
+        pass
+
+    def noop(event):
+        return True
+
+    states = ["TRAINING", "OFFLOADED", "PAUSED", "REMATERIALIZED", "SYNCED"]
+    table = [
+        {"trigger": t, "source": states[i], "dest": states[(i + 1) % 5], "prepare": [noop], "conditions": [noop],
+         "before": [noop], "after": [noop]}
+        for i, t in enumerate(CYCLE)
+    ]  # fmt: skip
+    model = Model()
+    machine = transitions.Machine(model=model, states=states, transitions=table, initial="TRAINING",
+                                  auto_transitions=False, send_event=True, on_exception=[noop])  # fmt: skip
+    events = [machine.events[t].trigger for t in CYCLE]
+    t0 = time.perf_counter()
+    for _ in range(cycles):
+        for fire in events:
+            fire(model)
+    return (time.perf_counter() - t0) / (cycles * len(CYCLE)) * 1e6
+
+
 def dict_lookup_us(n: int) -> float:
     table = {(s, t): (s, t) for s in range(7) for t in CYCLE}
     keys = [(i % 7, CYCLE[i % 5]) for i in range(64)]
@@ -186,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, (traced, engine) in setups.items():
                 trace_dir = os.path.join(d, f"r{r}-{name.replace(' ', '_').replace('+', '')}") if traced else None
                 row[name] = per_trigger_us(trace_dir, engine, args.cycles)
+            row["transitions alone"] = transitions_alone_us(args.cycles)
             row["plain write"] = plain_write_us(d, args.cycles * 5)
             row["dict lookup"] = dict_lookup_us(args.cycles * 50)
             rounds.append(row)

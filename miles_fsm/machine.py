@@ -129,7 +129,7 @@ class Plan:
 class _Firing:
     """One trigger's progress through the callbacks; lives only while it runs."""
 
-    __slots__ = ("arrow", "before_guard", "epoch", "guard_s", "phase", "plan", "result", "started", "step")
+    __slots__ = ("arrow", "before_guard", "epoch", "guard_s", "phase", "plan", "result", "results", "started", "step")
 
     def __init__(self, arrow: Any, epoch: int, before_guard: Callable[[], None] | None) -> None:
         self.arrow = arrow
@@ -140,6 +140,7 @@ class _Firing:
         self.step: str | None = None
         self.guard_s = 0.0
         self.plan: Plan | None = None
+        self.results: tuple[StepResult, ...] = ()
         self.result: TransitionResult | None = None
 
 
@@ -281,36 +282,39 @@ class Machine(Generic[S, T]):
 
     def _run_steps(self, event: Any) -> None:
         f: _Firing = event.args[0]
+        traced = self.tracer.enabled
         emit = self.tracer.emit
-        base = {"state": f.arrow.source.value, "epoch": f.epoch, "trigger": f.arrow.trigger.value}
         trigger, epoch = f.arrow.trigger, f.epoch
+        base = {"state": f.arrow.source.value, "epoch": epoch, "trigger": trigger.value}
         results = []
         # One probe per step boundary: a step's "after" is the next step's "before".
         mem = self._probe()
         for planned in f.plan.steps:  # type: ignore[union-attr]
             name = f.step = planned.name
             self._in_flight = InFlight(trigger, epoch, "step", name, time.monotonic())
-            emit(ACTION_STARTED, action=name, mem_before=mem, **base)
+            if traced:
+                emit(ACTION_STARTED, action=name, mem_before=mem, **base)
             t0 = time.perf_counter()
             report = planned.action(planned.step, epoch)
             duration = time.perf_counter() - t0
             after = self._probe()
             moved = report.bytes_moved if report is not None else None
             host = report.host_bytes if report is not None else None
-            emit(ACTION_FINISHED, action=name, duration_s=duration, bytes_moved=moved, host_bytes=host,
-                 mem_before=mem, mem_after=after, **base)  # fmt: skip
+            if traced:
+                emit(ACTION_FINISHED, action=name, duration_s=duration, bytes_moved=moved, host_bytes=host,
+                     mem_before=mem, mem_after=after, **base)  # fmt: skip
             results.append(StepResult(name, duration, moved, host))
             mem = after
         f.step = None
-        f.result = TransitionResult(trigger, epoch, f.arrow.source, f.arrow.dest, 0.0, f.guard_s, tuple(results))
+        f.results = tuple(results)
 
     def _commit(self, event: Any) -> None:
         f: _Firing = event.args[0]
         self._epoch = f.epoch
         self._in_flight = None
         duration = time.perf_counter() - f.started
-        r = f.result
-        f.result = TransitionResult(r.trigger, r.epoch, r.source, r.dest, duration, r.guard_s, r.steps)  # type: ignore[union-attr]
+        arrow = f.arrow
+        f.result = TransitionResult(arrow.trigger, f.epoch, arrow.source, arrow.dest, duration, f.guard_s, f.results)
         self.tracer.emit(TRANSITION_FINISHED, state=f.arrow.dest.value, source=f.arrow.source.value,
                          duration_s=duration, epoch=f.epoch, trigger=f.arrow.trigger.value)  # fmt: skip
 
