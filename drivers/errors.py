@@ -17,6 +17,7 @@ __all__ = [
     "EngineUpdateError",
     "HostCopyMissingError",
     "IneligibleModelError",
+    "MissingDependencyError",
     "ResumeMemoryError",
 ]
 
@@ -33,6 +34,7 @@ class IneligibleModelError(MilesFsmError, ValueError):
             "use the backup strategy."
         )
 
+
 class EngineRequestError(MilesFsmError, RuntimeError):
     """An engine rejected or failed a request."""
 
@@ -44,6 +46,7 @@ class EngineRequestError(MilesFsmError, RuntimeError):
         code = f"HTTP {status}" if status is not None else "no response"
         super().__init__(f"engine {engine}: {op} failed ({code}): {message}")
 
+
 class EngineSessionError(MilesFsmError, RuntimeError):
     """A weight-update session was misused or left open."""
 
@@ -52,6 +55,7 @@ class EngineSessionError(MilesFsmError, RuntimeError):
         self.op = op
         self.detail = detail
         super().__init__(f"engine {engine}: weight-update session error during {op}: {detail}")
+
 
 class EngineUpdateError(EngineRequestError):
     """One engine of a group failed mid-update; names it, the step, and every session still open."""
@@ -88,6 +92,7 @@ class EngineUpdateError(EngineRequestError):
             "Treat the engines' weights as unknown: push again before generating.",
         )
 
+
 class HostCopyMissingError(MilesFsmError, KeyError):
     """A host copy was asked for a tag that was never backed up."""
 
@@ -102,6 +107,7 @@ class HostCopyMissingError(MilesFsmError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
 
+
 class BufferRoutingError(MilesFsmError, RuntimeError):
     """megatron allocated a DDP buffer differently than the region routing expects."""
 
@@ -114,6 +120,7 @@ class BufferRoutingError(MilesFsmError, RuntimeError):
             "This megatron-core version allocates its param/grad buffers differently; pausing those "
             "tags would free nothing (or the wrong memory). Report the megatron-core version."
         )
+
 
 class ResumeMemoryError(MilesFsmError, MemoryError):
     """A resume was refused because the device has too little free memory for it."""
@@ -128,3 +135,14 @@ class ResumeMemoryError(MilesFsmError, MemoryError):
             f"has {free} free. torch_memory_saver kills the process when a resume runs out of memory, so "
             "nothing was resumed; free device memory first (release the engine's tags, empty caches)."
         )
+
+
+class MissingDependencyError(MilesFsmError, ImportError):
+    """An optional dependency a driver needs is not installed."""
+
+    def __init__(self, *, package: str, extra: str | None, needed_for: str) -> None:
+        self.package = package
+        self.extra = extra
+        self.needed_for = needed_for
+        how = f"pip install 'miles-fsm[{extra}]'" if extra else f"pip install {package}"
+        super().__init__(f"{needed_for} needs the {package!r} package, which is not installed; run: {how}")

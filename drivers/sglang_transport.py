@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError
-from miles_fsm.errors import ConfigError, MissingDependencyError
+from miles_fsm.drivers.errors import MissingDependencyError
+from miles_fsm.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch

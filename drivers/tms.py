@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from miles_fsm.drivers.errors import ResumeMemoryError
-from miles_fsm.errors import ConfigError, MissingDependencyError
+from miles_fsm.drivers.errors import MissingDependencyError
+from miles_fsm.errors import ConfigError
 from miles_fsm.states.errors import MemoryTagError
 
 __all__ = ["HOOK_MODES", "TmsConfig", "TmsMemorySaver", "TmsRegion", "preload_library_path"]

@@ -42,13 +42,13 @@ _EXPORTS = {
     "MemoryReleasedError": "miles_fsm.errors",
     "MemoryTagError": "miles_fsm.states.errors",
     "MilesFsmError": "miles_fsm.errors",
-    "MissingDependencyError": "miles_fsm.errors",
+    "MissingDependencyError": "miles_fsm.drivers.errors",
     "PeerLostError": "miles_fsm.errors",
     "Plan": "miles_fsm.machine",
     "PlannedStep": "miles_fsm.machine",
     "RankDivergenceError": "miles_fsm.errors",
     "RankFailedError": "miles_fsm.errors",
-    "RecoveryError": "miles_fsm.errors",
+    "RecoveryError": "miles_fsm.states.errors",
     "ResumeMemoryError": "miles_fsm.drivers.errors",
     "RolloutWindow": "miles_fsm.states.aio",
     "Side": "miles_fsm.states",
@@ -103,6 +103,7 @@ if TYPE_CHECKING:
         EngineUpdateError,
         HostCopyMissingError,
         IneligibleModelError,
+        MissingDependencyError,
         ResumeMemoryError,
     )
     from miles_fsm.errors import (  # noqa: F401
@@ -113,11 +114,9 @@ if TYPE_CHECKING:
         LastSeen,
         MemoryReleasedError,
         MilesFsmError,
-        MissingDependencyError,
         PeerLostError,
         RankDivergenceError,
         RankFailedError,
-        RecoveryError,
         TransitionCancelled,
         TransitionNotAllowed,
     )
@@ -155,6 +154,7 @@ if TYPE_CHECKING:
     )
     from miles_fsm.states.errors import (  # noqa: F401
         MemoryTagError,
+        RecoveryError,
         TensorSetChangedError,
         VerificationError,
         WeightVersionError,

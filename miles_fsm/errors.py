@@ -29,11 +29,9 @@ __all__ = [
     "LastSeen",
     "MemoryReleasedError",
     "MilesFsmError",
-    "MissingDependencyError",
     "PeerLostError",
     "RankDivergenceError",
     "RankFailedError",
-    "RecoveryError",
     "TransitionCancelled",
     "TransitionNotAllowed",
     "describe",
@@ -46,6 +44,7 @@ __all__ = [
 
 def list_ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
+
 
 def list_names(names: Sequence[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
@@ -107,6 +106,7 @@ class DefinitionError(MilesFsmError, ValueError):
         self.problems = tuple(problems)
         super().__init__("invalid lifecycle definition:\n  - " + "\n  - ".join(self.problems))
 
+
 class TransitionNotAllowed(MilesFsmError, RuntimeError):
     """A trigger was fired in a state that has no arrow for it. Nothing ran."""
 
@@ -132,6 +132,7 @@ class TransitionNotAllowed(MilesFsmError, RuntimeError):
             hint = "no trigger leaves this state"
         super().__init__(f"trigger {trigger!r} is not allowed in state {state}; {hint}")
 
+
 class TransitionCancelled(MilesFsmError, RuntimeError):
     """A transition was abandoned before its guard: no collective was entered."""
 
@@ -142,6 +143,7 @@ class TransitionCancelled(MilesFsmError, RuntimeError):
             f"{trigger} (epoch {epoch}) was cancelled before its guard; this rank entered no "
             "collective and its state is unchanged, but the other ranks will fail their guard"
         )
+
 
 @dataclass(frozen=True, slots=True)
 class LastSeen:
@@ -157,8 +159,10 @@ class LastSeen:
     def __str__(self) -> str:
         return f"rank {self.rank}: {self.phase} {self.trigger} from {self.state} (epoch {self.epoch})"
 
+
 class GuardError(MilesFsmError):
     """Base class of the consensus guard's failures. No collective of the step ran."""
+
 
 class RankDivergenceError(GuardError, RuntimeError):
     """Ranks disagree on the transition or on the collectives it will issue."""
@@ -190,6 +194,7 @@ class RankDivergenceError(GuardError, RuntimeError):
             "layout), never from per-rank pause state. Run `miles-fsm replay` on the traces."
         )
 
+
 class GuardTimeoutError(GuardError, TimeoutError):
     """Some ranks did not reach the guard within its timeout."""
 
@@ -212,6 +217,7 @@ class GuardTimeoutError(GuardError, TimeoutError):
             f"within {timeout_s:g} s; {_describe_last(self.missing, self.last_seen)}. "
             "Look at those ranks' traces (`miles-fsm replay`) for what they are stuck in."
         )
+
 
 class PeerLostError(GuardError, ConnectionError):
     """The guard's connection to some ranks broke: their process is probably gone."""
@@ -237,12 +243,14 @@ class PeerLostError(GuardError, ConnectionError):
             "crashed (exit code, OOM killer) and read their traces with `miles-fsm replay`."
         )
 
+
 def _describe_last(missing: Sequence[int], last_seen: Mapping[int, LastSeen | None]) -> str:
     parts = []
     for r in missing:
         seen = last_seen.get(r)
         parts.append(str(seen) if seen is not None else f"rank {r}: never seen by the store")
     return "last seen: " + "; ".join(parts) if parts else "no rank is known to be missing"
+
 
 class ConfigError(MilesFsmError, ValueError):
     """The configuration violates constraints; every violation is listed."""
@@ -255,13 +263,6 @@ class ConfigError(MilesFsmError, ValueError):
             + "\n  - ".join(self.violations)
         )
 
-class RecoveryError(MilesFsmError, RuntimeError):
-    """A FAILED rank cannot be recovered to the state asked for."""
-
-    def __init__(self, *, target: str, reason: str) -> None:
-        self.target = target
-        self.reason = reason
-        super().__init__(f"cannot recover to {target}: {reason}")
 
 class MemoryReleasedError(MilesFsmError, RuntimeError):
     """Work was asked of memory that is released (or came back without its contents)."""
@@ -277,15 +278,6 @@ class MemoryReleasedError(MilesFsmError, RuntimeError):
             "Resume them and reload their contents (push weights, restore) first."
         )
 
-class MissingDependencyError(MilesFsmError, ImportError):
-    """An optional dependency a driver needs is not installed."""
-
-    def __init__(self, *, package: str, extra: str | None, needed_for: str) -> None:
-        self.package = package
-        self.extra = extra
-        self.needed_for = needed_for
-        how = f"pip install 'miles-fsm[{extra}]'" if extra else f"pip install {package}"
-        super().__init__(f"{needed_for} needs the {package!r} package, which is not installed; run: {how}")
 
 class RankFailedError(MilesFsmError, RuntimeError):
     """A task waited for a state, and the rank went FAILED instead."""

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from miles_fsm.errors import MilesFsmError, list_names
 
-__all__ = ["MemoryTagError", "TensorSetChangedError", "VerificationError", "WeightVersionError"]
+__all__ = ["MemoryTagError", "RecoveryError", "TensorSetChangedError", "VerificationError", "WeightVersionError"]
 
 
 class VerificationError(MilesFsmError, RuntimeError):
@@ -25,6 +25,7 @@ class VerificationError(MilesFsmError, RuntimeError):
             f"after epoch {epoch}: {list_names(self.mismatched)}. Do not train on them: the restore "
             "or rematerialize path lost data. Recover from a checkpoint."
         )
+
 
 class TensorSetChangedError(VerificationError):
     """The set of tensors itself changed between offload and verify."""
@@ -44,6 +45,7 @@ class TensorSetChangedError(VerificationError):
         self.mismatched = self.added + self.removed
         self.where = where
 
+
 class MemoryTagError(MilesFsmError, RuntimeError):
     """A pause of a paused tag, or a resume of an active one, was refused."""
 
@@ -59,6 +61,7 @@ class MemoryTagError(MilesFsmError, RuntimeError):
             "this, so nothing was sent."
         )
 
+
 class WeightVersionError(MilesFsmError, RuntimeError):
     """The engine reports a different weight version than the one just pushed."""
 
@@ -70,3 +73,12 @@ class WeightVersionError(MilesFsmError, RuntimeError):
             f"engine {engine} reports weight version {actual!r} after a push of {expected!r}; "
             "it is serving other weights than the trainer's. Push again before generating."
         )
+
+
+class RecoveryError(MilesFsmError, RuntimeError):
+    """A FAILED rank cannot be recovered to the state asked for."""
+
+    def __init__(self, *, target: str, reason: str) -> None:
+        self.target = target
+        self.reason = reason
+        super().__init__(f"cannot recover to {target}: {reason}")

@@ -22,7 +22,8 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from miles_fsm.config import LifecycleConfig
-from miles_fsm.errors import RecoveryError, describe
+from miles_fsm.errors import describe
+from miles_fsm.states.errors import RecoveryError
 from miles_fsm.guard import Guard
 from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
 from miles_fsm.plan import Intent

@@ -23,9 +23,9 @@ SAMPLES = [
     engine_errors.GuardTimeoutError(epoch=2, trigger="sync", missing=[1], last_seen={1: _SEEN}, timeout_s=5.0),
     engine_errors.PeerLostError(epoch=2, trigger="sync", missing=[1], last_seen={1: None}, cause="reset"),
     engine_errors.ConfigError(["a", "b"], "GuardConfig"),
-    engine_errors.RecoveryError(target="TRAINING", reason="tags gone"),
+    state_errors.RecoveryError(target="TRAINING", reason="tags gone"),
     engine_errors.MemoryReleasedError(owner="trainer", op="hash", tags=["param_buffer"]),
-    engine_errors.MissingDependencyError(package="httpx", extra="sglang-http", needed_for="the HTTP transport"),
+    driver_errors.MissingDependencyError(package="httpx", extra="sglang-http", needed_for="the HTTP transport"),
     engine_errors.RankFailedError(rank=0, waiting_for="PAUSED", trigger="offload", epoch=1, step="backup(actor)",
                                   cause="RuntimeError: x"),  # fmt: skip
     state_errors.VerificationError(epoch=1, mismatched=["w"]),

@@ -25,7 +25,8 @@ from miles_fsm.drivers.sglang import (
     buckets,
 )
 from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError, EngineUpdateError
-from miles_fsm.errors import ConfigError, MissingDependencyError
+from miles_fsm.drivers.errors import MissingDependencyError
+from miles_fsm.errors import ConfigError
 from miles_fsm.states.errors import MemoryTagError, WeightVersionError
 from miles_fsm.states.lifecycle import Lifecycle
 from miles_fsm.testing import run_cycles

@@ -21,7 +21,8 @@ from miles_fsm.drivers import tms as tms_mod
 from miles_fsm.drivers.cpu_memory import MemorySaver
 from miles_fsm.drivers.tms import TmsConfig, TmsMemorySaver, TmsRegion
 from miles_fsm.drivers.errors import ResumeMemoryError
-from miles_fsm.errors import ConfigError, MissingDependencyError
+from miles_fsm.drivers.errors import MissingDependencyError
+from miles_fsm.errors import ConfigError
 from miles_fsm.states.errors import MemoryTagError
 
 
