@@ -31,7 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-CYCLE = ("offload", "pause", "rematerialize", "sync", "resume")
 
 
 class NullTrainer:
@@ -128,16 +127,16 @@ def _lifecycle(trace_dir: str | None, engine: bool):
 
 def per_trigger_us(trace_dir: str | None, engine: bool, cycles: int) -> float:
     lc = _lifecycle(trace_dir, engine)
-    fire = lc.fire
-    for trigger in CYCLE * 50:  # warm-up
+    fire, cycle = lc.fire, lc.cycle
+    for trigger in cycle * 50:  # warm-up
         fire(trigger)
     t0 = time.perf_counter()
     for _ in range(cycles):
-        for trigger in CYCLE:
+        for trigger in cycle:
             fire(trigger)
     elapsed = time.perf_counter() - t0
     lc.close()
-    return elapsed / (cycles * len(CYCLE)) * 1e6
+    return elapsed / (cycles * len(cycle)) * 1e6
 
 
 def plain_write_us(directory: str, n: int) -> float:
@@ -167,26 +166,29 @@ def transitions_alone_us(cycles: int) -> float:
     def noop(event):
         return True
 
-    states = ["TRAINING", "OFFLOADED", "PAUSED", "REMATERIALIZED", "SYNCED"]
+    from miles_fsm.states import CYCLE, DEFINITION, State
+
+    states = [s.value for s in State]
     table = [
-        {"trigger": t, "source": states[i], "dest": states[(i + 1) % 5], "prepare": [noop], "conditions": [noop],
-         "before": [noop], "after": [noop]}
-        for i, t in enumerate(CYCLE)
+        {"trigger": t.trigger.value, "source": t.source.value, "dest": t.dest.value, "prepare": [noop],
+         "conditions": [noop], "before": [noop], "after": [noop]}
+        for t in DEFINITION.transitions
     ]  # fmt: skip
     model = Model()
-    machine = transitions.Machine(model=model, states=states, transitions=table, initial="TRAINING",
+    machine = transitions.Machine(model=model, states=states, transitions=table, initial=State.TRAINING.value,
                                   auto_transitions=False, send_event=True, on_exception=[noop])  # fmt: skip
-    events = [machine.events[t].trigger for t in CYCLE]
+    events = [machine.events[t.value].trigger for t in CYCLE]
     t0 = time.perf_counter()
     for _ in range(cycles):
         for fire in events:
             fire(model)
-    return (time.perf_counter() - t0) / (cycles * len(CYCLE)) * 1e6
+    return (time.perf_counter() - t0) / (cycles * len(events)) * 1e6
 
 
 def dict_lookup_us(n: int) -> float:
-    table = {(s, t): (s, t) for s in range(7) for t in CYCLE}
-    keys = [(i % 7, CYCLE[i % 5]) for i in range(64)]
+    triggers = ("offload", "pause", "rematerialize", "sync", "resume")
+    table = {(s, t): (s, t) for s in range(7) for t in triggers}
+    keys = [(i % 7, triggers[i % 5]) for i in range(64)]
     t0 = time.perf_counter()
     for i in range(n):
         table.get(keys[i & 63])
