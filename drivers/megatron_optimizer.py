@@ -131,7 +131,8 @@ class OptimizerOffload:
         self._saving = False
 
     def before_pause(self, tag: str, paused: Set[str]) -> bool:
-        """Save the state if ``tag`` calls for it; True when the pause of ``tag`` must not synchronize."""
+        """Save the state if pausing ``tag`` calls for it; True when ``tag`` is to be paused without a
+        device synchronization (the save was only started, and the unmap need not wait for it)."""
         if not self._enabled:
             return False
         if tag == _GRAD_TAG and OPTIMIZER_TAG not in paused and not self._saving:
