@@ -9,7 +9,8 @@ from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, Strategy, VerifyC
 from miles_fsm.digest import digest_tensors
 from miles_fsm.states import TrainerDriver
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-from miles_fsm.drivers.reference import EXTRA_BUFFERS, EXTRA_PARAMS, ReferenceTrainer, TrainerConfig
+from miles_fsm.drivers.reference import ReferenceTrainer, TrainerConfig
+from miles_fsm.drivers.reference_model import EXTRA_BUFFERS, EXTRA_PARAMS
 from miles_fsm.drivers.reference_engine import ReferenceEngine
 from miles_fsm.drivers.errors import IneligibleModelError
 from miles_fsm.errors import ConfigError, MemoryReleasedError
