@@ -62,3 +62,6 @@ class LifecycleConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     trace_dir: Path | None = None
+    #: The run's id in every trace record; None: ``MILES_FSM_RUN_ID``, else
+    #: made by rank 0 and shared with every rank when the lifecycle is built.
+    run_id: str | None = None

@@ -30,6 +30,7 @@ __all__ = [
     "MemoryReleasedError",
     "MilesFsmError",
     "PeerLostError",
+    "ProcessGroupMissingError",
     "RankDivergenceError",
     "RankFailedError",
     "TransitionCancelled",
@@ -250,6 +251,20 @@ def _describe_last(missing: Sequence[int], last_seen: Mapping[int, LastSeen | No
         seen = last_seen.get(r)
         parts.append(str(seen) if seen is not None else f"rank {r}: never seen by the store")
     return "last seen: " + "; ".join(parts) if parts else "no rank is known to be missing"
+
+
+class ProcessGroupMissingError(MilesFsmError, RuntimeError):
+    """The environment says this is one rank of several, but torch.distributed is not initialized."""
+
+    def __init__(self, *, world_size: int, rank: str | None) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        super().__init__(
+            f"WORLD_SIZE={world_size} (RANK={rank}) but torch.distributed is not initialized, so this rank would "
+            "run alone: its guards would check nothing and its trace would claim rank 0. Call "
+            "torch.distributed.init_process_group() before building the Lifecycle, or pass guard=Guard.solo() "
+            "to run one rank on purpose."
+        )
 
 
 class ConfigError(MilesFsmError, ValueError):

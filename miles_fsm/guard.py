@@ -11,6 +11,8 @@ state, by every rank that did.
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 from collections import defaultdict
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from miles_fsm.errors import GuardTimeoutError, LastSeen, PeerLostError, RankDivergenceError
 from miles_fsm.plan import Intent
+from miles_fsm.tracing import new_run_id
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["Guard"]
 
 _PREFIX = "miles_fsm/last/"
+_RUN_PREFIX = "miles_fsm/run/"
+_SERIALS = itertools.count()
 _ARRIVED = "entered guard of"
 
 #: A rank that waits at a guard longer than this publishes its arrival to the
@@ -64,6 +69,9 @@ class Guard:
         self._buf = torch.zeros(2, dtype=torch.int64)
         self._view = self._buf.numpy()  # element access through numpy costs ~0.1 us, torch's ~2 us
         self._publisher = _Publisher(store, f"{_PREFIX}{rank}") if world > 1 else None
+        # Guards are built collectively, so the n-th guard of a process is the
+        # n-th on every rank: its number keys what the ranks share through the store.
+        self._serial = next(_SERIALS) if world > 1 else 0
         #: The last guard every rank passed: where a rank that later goes missing was last seen.
         self._last_passed: LastSeen | None = None
 
@@ -80,6 +88,9 @@ class Guard:
         inside) the trainer's NCCL work, and its timeout is the guard timeout.
         """
         if not dist.is_initialized():
+            world_size = _env_world_size()
+            if world_size > 1:
+                raise ProcessGroupMissingError(world_size=world_size, rank=os.environ.get("RANK"))
             return cls.solo()
         world = dist.get_world_size()
         if world == 1:
@@ -92,6 +103,21 @@ class Guard:
     @property
     def active(self) -> bool:
         return self.world > 1
+
+    def share_run_id(self, given: str | None = None) -> str:
+        """The run's id, the same on every rank: ``given``, else rank 0's, shared through the store.
+
+        Collective when ``given`` is None and the world is larger than 1: every
+        rank calls it, in the same order (the lifecycle does, when it is built).
+        """
+        if given:
+            return given
+        if self.world == 1:
+            return new_run_id()
+        key = f"{_RUN_PREFIX}{self._serial}"
+        if self.rank == 0:
+            self._store.set(key, new_run_id())
+        return bytes(self._store.get(key)).decode()
 
     def agree(self, intent: Intent, *, state: str) -> None:
         """Return when every rank holds the same intent; raise a GuardError otherwise."""
@@ -280,3 +306,10 @@ def _tensor_set_detail(intents: "Sequence[Intent]", groups: dict[str, list[int]]
         odd = sorted({s.name for s in set.union(*specs) - set.intersection(*specs)})
         parts.append("same names, different shape or dtype for " + ", ".join(odd[:8]))
     return "; ".join(parts)
+
+
+def _env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1  # not a launcher's variable; nothing claims several ranks

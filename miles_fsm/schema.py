@@ -25,6 +25,7 @@ __all__ = [
     "RECOVERED",
     "SCHEMA_VERSION",
     "STORE_UNREACHABLE",
+    "TRACE_CLOSED",
     "TRACE_OPENED",
     "TRANSITION_CANCELLED",
     "TRANSITION_FAILED",
@@ -37,7 +38,8 @@ __all__ = [
 ]
 
 #: Bumped when a field changes meaning; replay checks it. 2: the machine's
-#: table in ``trace_opened``; error facts under ``fields``.
+#: table in ``trace_opened``; error facts under ``fields``; ``run`` on every
+#: record; ``trace_closed`` ends a trace that was closed, not cut off.
 SCHEMA_VERSION = 2
 
 TRACE_OPENED = "trace_opened"
@@ -55,10 +57,12 @@ TRANSITION_FAILED = "transition_failed"
 CANCEL_DEFERRED = "cancel_deferred"
 RECOVERED = "recovered"
 STORE_UNREACHABLE = "store_unreachable"
+TRACE_CLOSED = "trace_closed"
 
-#: On every record: stamped by the tracer (``v``, ``rank``, ``world``,
-#: ``seq``, ``mono_ns``, ``wall``, ``event``) or given by the writer.
-COMMON_FIELDS = ("v", "rank", "world", "epoch", "seq", "mono_ns", "wall", "event", "state", "trigger")
+#: On every record: stamped by the tracer (``v``, ``run``, ``rank``,
+#: ``world``, ``seq``, ``mono_ns``, ``wall``, ``event``) or given by the
+#: writer. ``run`` is the run's id, the same on every rank of one run.
+COMMON_FIELDS = ("v", "run", "rank", "world", "epoch", "seq", "mono_ns", "wall", "event", "state", "trigger")
 
 _ERROR = ("error", "message")
 
@@ -82,6 +86,7 @@ EVENTS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         CANCEL_DEFERRED: ("phase", "action"),
         RECOVERED: ("after",),
         STORE_UNREACHABLE: _ERROR,
+        TRACE_CLOSED: ("clean",),
     }
 )
 

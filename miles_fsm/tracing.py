@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import socket
 import threading
 import time
@@ -20,9 +21,10 @@ from typing import Any, Protocol
 import orjson
 import structlog
 
-from miles_fsm.schema import SCHEMA_VERSION, TRACE_OPENED
+from miles_fsm.errors import describe
+from miles_fsm.schema import SCHEMA_VERSION, TRACE_CLOSED, TRACE_OPENED
 
-__all__ = ["NullTracer", "TraceSink", "Tracer", "trace_path"]
+__all__ = ["NullTracer", "TraceSink", "Tracer", "new_run_id", "trace_path"]
 
 
 
@@ -66,7 +68,7 @@ class TraceSink(Protocol):
 
     def emit(self, event: str, **fields: Any) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, *, epoch: int = 0, state: str | None = None, error: BaseException | None = None) -> None: ...
 
 
 class NullTracer:
@@ -77,7 +79,7 @@ class NullTracer:
     def emit(self, event: str, **fields: Any) -> None:
         return None
 
-    def close(self) -> None:
+    def close(self, *, epoch: int = 0, state: str | None = None, error: BaseException | None = None) -> None:
         return None
 
 
@@ -86,11 +88,16 @@ class Tracer:
 
     An existing file is renamed to ``rank-<r>.jsonl.<n>`` first, so a restart
     never mixes two runs in one file and never destroys the earlier one.
+    ``run`` is stamped on every record: replay tells runs apart by it.
+    ``close()`` writes ``trace_closed``: a trace without it was cut off.
     """
 
     enabled = True
 
-    def __init__(self, trace_dir: str | os.PathLike[str], *, rank: int, world: int, **meta: Any) -> None:
+    def __init__(
+        self, trace_dir: str | os.PathLike[str], *, rank: int, world: int, run: str | None = None, **meta: Any
+    ) -> None:
+        self.run = run or new_run_id()
         self.path = trace_path(trace_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rotated_to = _rotate(self.path)
@@ -107,7 +114,7 @@ class Tracer:
             wrapper_class=structlog.make_filtering_bound_logger(0),
             context_class=dict,
             cache_logger_on_first_use=True,
-        ).bind(v=SCHEMA_VERSION, rank=rank, world=world)
+        ).bind(v=SCHEMA_VERSION, run=self.run, rank=rank, world=world)
         self.emit(
             TRACE_OPENED,
             epoch=0,
@@ -123,8 +130,20 @@ class Tracer:
         with self._lock:
             self._log.info(event, **fields)
 
-    def close(self) -> None:
+    def close(self, *, epoch: int = 0, state: str | None = None, error: BaseException | None = None) -> None:
+        """Write ``trace_closed`` (``clean`` unless ``error``) and close the file. Idempotent."""
+        if not self._finalizer.alive:
+            return
+        record: dict[str, Any] = {"clean": error is None}
+        if error is not None:
+            record.update(describe(error))
+        self.emit(TRACE_CLOSED, epoch=epoch, state=state, trigger=None, **record)
         self._finalizer()
+
+
+def new_run_id() -> str:
+    """A fresh run id: when it started, where, and a random part, so two runs never share one."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def _rotate(path: Path) -> Path | None:

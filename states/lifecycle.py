@@ -16,6 +16,7 @@ rank must build its ``Lifecycle`` (it creates the guard's gloo group).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -78,11 +79,14 @@ class Lifecycle:
         self._engine = engine
         self._guard = guard or Guard.from_default_group(timeout_s=self._config.guard.timeout_s)
         strategy = trainer.strategy
+        # Shared by every rank, traced or not: sharing it is collective.
+        run_id = self._guard.share_run_id(self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or None)
         tracer: TraceSink = (
             Tracer(
                 self._config.trace_dir,
                 rank=self._guard.rank,
                 world=self._guard.world,
+                run=run_id,
                 strategy=strategy.value,
                 guard_timeout_s=self._guard.timeout_s,
                 machine=DEFINITION.describe(steps=lambda t: [str(s) for s in self._steps(t, strategy)]),
@@ -293,15 +297,19 @@ class Lifecycle:
                 after=describe(failure.error) if failure else None,
             )
 
-    def close(self) -> None:
-        """Close the trace file. Idempotent."""
-        self.tracer.close()
+    def close(self, error: BaseException | None = None) -> None:
+        """Write the trace's end record and close it. Idempotent.
+
+        ``error``: why the run ends, if it ends by an error outside any
+        transition; replay then does not call the run healthy.
+        """
+        self.tracer.close(epoch=self.epoch, state=self.state.value, error=error)
 
     def __enter__(self) -> Lifecycle:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(error=exc)
 
 
 def _next_epoch(trigger: Trigger, epoch: int) -> int:
