@@ -1,6 +1,8 @@
 """How a demo run ended: the result, whom to blame, and the summary the CLI prints.
 
-Blame comes from the errors the ranks returned, their exit codes and their traces.
+Blame comes first from what only the live run knows (the errors the ranks
+returned, with the culprits they located, and their exit codes); where that
+names no one, from the replay diagnosis of the run's traces.
 """
 
 from __future__ import annotations
@@ -8,18 +10,17 @@ from __future__ import annotations
 import signal
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import orjson
-
 from miles_fsm.apps.demo.config import DemoConfig
+from miles_fsm.diagnosis import Diagnosis
 from miles_fsm.launch import RankOutcome
-from miles_fsm.tracing import trace_path
+from miles_fsm.schema import ACTION_FINISHED, ACTION_STARTED, TRANSITION_FINISHED
+from miles_fsm.trace_reader import RankTrace
 
-__all__ = ["DemoResult", "blame", "count_events", "print_result"]
+__all__ = ["DemoResult", "blame", "print_result"]
 
 _ROWS = ("start", "offload", "pause", "generate", "rematerialize", "sync", "resume", "train")
 
@@ -76,26 +77,10 @@ class DemoResult:
 # ---------------------------------------------------------------- blame
 
 
-def _read_trace(path: Path) -> list[dict[str, Any]]:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in data.splitlines():
-        try:
-            out.append(orjson.loads(line))
-        except orjson.JSONDecodeError:  # a truncated last line, from a killed rank
-            continue
-    return out
-
-
-def count_events(path: Path, event: str) -> int:
-    return sum(1 for r in _read_trace(path) if r.get("event") == event)
-
-
-def blame(outcomes: Sequence[RankOutcome], config: DemoConfig) -> tuple[tuple[int, ...], str]:
-    """Who is to blame and a few lines saying why; from errors, exit codes and traces only."""
+def blame(
+    outcomes: Sequence[RankOutcome], traces: Mapping[int, RankTrace], replay: Diagnosis | None
+) -> tuple[tuple[int, ...], str]:
+    """Who is to blame and a few lines saying why: the ranks' errors and exit codes, then the traces."""
     if all(o.ok for o in outcomes):
         return (), ""
     named: Counter[int] = Counter()
@@ -110,22 +95,41 @@ def blame(outcomes: Sequence[RankOutcome], config: DemoConfig) -> tuple[tuple[in
         elif o.ok:
             lines.append(f"rank {o.rank}: finished")
         else:
-            last = _last_record(config.trace_dir, o.rank)
             if o.exitcode is not None and o.exitcode < 0 and -o.exitcode == signal.SIGTERM:
                 how = "stopped by the demo after another rank failed: it was blocked or hung"
             else:
                 how = f"died without reporting ({_exit_text(o.exitcode)})"
                 died.append(o.rank)
-            lines.append(f"rank {o.rank}: {how}; its trace ends with {last}")
+            lines.append(f"rank {o.rank}: {how}; its trace ends with {trace_end(traces.get(o.rank))}")
+    from_traces = replay is not None and replay.culprit is not None and bool(replay.culprit["ranks"])
     if named:
         top = max(named.values())
         culprits = tuple(sorted(r for r, n in named.items() if n == top))
     elif died:
         culprits = tuple(died)
+    elif from_traces:
+        culprits = tuple(replay.culprit["ranks"])
+        lines.append(f"from the traces: {replay.verdict}: {replay.headline}")
     else:
         culprits = tuple(o.rank for o in outcomes if o.error is not None)
     head = f"culprit: rank {', '.join(map(str, culprits))}" if culprits else "culprit: unknown"
     return culprits, "\n".join([head, *("  " + line for line in lines)])
+
+
+def trace_end(t: RankTrace | None) -> str:
+    """The last record of a rank's trace, in words: event, the action or trigger it names, state, epoch."""
+    if t is None or not t.records:
+        return "nothing (no trace)"
+    note = t.notes[-1] if t.notes and t.notes[-1].line == t.last_line else None
+    if note is not None:  # failures and located faults: the reader keeps the whole record
+        what = note.record.get("action") or note.record.get("trigger")
+    elif t.open is not None:
+        what = t.open.action if t.last_event in (ACTION_STARTED, ACTION_FINISHED) else t.open.trigger
+    elif t.last_event == TRANSITION_FINISHED and t.positions:
+        what = t.trigger_at(t.positions - 1)
+    else:  # records outside a transition (demo_step, the train step's guard): the reader keeps no trigger
+        what = None
+    return f"{t.last_event} {what or ''} in {t.state} (epoch {t.epoch})".replace("  ", " ")
 
 
 def _clip(text: str, limit: int = 240) -> str:
@@ -141,16 +145,6 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit code {code}"
-
-
-def _last_record(trace_dir: Path, rank: int) -> str:
-    records = _read_trace(trace_path(trace_dir, rank))
-    if not records:
-        return "nothing (no trace)"
-    r = records[-1]
-    what = r.get("action") or r.get("trigger") or ""
-    return f"{r.get('event')} {what} in {r.get('state')} (epoch {r.get('epoch')})".replace("  ", " ")
-
 
 
 # ---------------------------------------------------------------- print

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from miles_fsm.apps.demo.config import DemoConfig
 from miles_fsm.apps.demo.progress import Progress
 from miles_fsm.apps.demo.rank import rank_main
-from miles_fsm.apps.demo.report import DemoResult, blame, count_events
+from miles_fsm.apps.demo.report import DemoResult, blame
+from miles_fsm.diagnosis import diagnose
 from miles_fsm.launch import run_ranks
-from miles_fsm.tracing import trace_path
+from miles_fsm.trace_reader import RankTrace, TraceDirError, find_traces, read_ranks
 
 __all__ = ["run_demo"]
 
@@ -40,8 +42,25 @@ def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
         if watcher is not None:
             watcher.stop()
     wall = time.monotonic() - started
-    verified = {r: count_events(trace_path(config.trace_dir, r), "verified") for r in range(config.ranks)}
-    culprits, diagnosis = blame(outcomes, config)
+    traces = _read_traces(config.trace_dir, config.ranks)
+    failed = not all(o.ok for o in outcomes)
+    replay = diagnose(list(traces.values()), expected=range(config.ranks)) if failed and traces else None
+    culprits, diagnosis = blame(outcomes, traces, replay)
     return DemoResult(
-        config=config, outcomes=tuple(outcomes), wall_s=wall, verified=verified, culprits=culprits, diagnosis=diagnosis
+        config=config,
+        outcomes=tuple(outcomes),
+        wall_s=wall,
+        verified={r: traces[r].verified if r in traces else 0 for r in range(config.ranks)},
+        culprits=culprits,
+        diagnosis=diagnosis,
     )
+
+
+def _read_traces(trace_dir: Path, ranks: int) -> dict[int, RankTrace]:
+    """This run's traces, folded by the replay reader; files of ranks outside the run are older runs'."""
+    try:
+        files = find_traces(trace_dir)
+    except TraceDirError:
+        # run_demo made the directory, so no rank wrote a trace: every rank's report says so.
+        return {}
+    return {t.rank: t for t in read_ranks({r: p for r, p in files.items() if r < ranks})}
