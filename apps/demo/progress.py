@@ -1,20 +1,66 @@
 """Live progress of a demo run, read from the ranks' traces while they run.
 
 On a terminal, a rich progress bar; otherwise one line per step verified on
-every rank, and one per rank failure, as they happen.
+every rank, and one per rank failure, as they happen. The traces are tailed,
+not re-read: each poll parses only the lines completed since the last one.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from miles_fsm.apps.demo.config import DemoConfig
+from miles_fsm.apps.demo.events import DEMO_FAILED, DEMO_STEP
+from miles_fsm.schema import TRANSITION_FAILED, TRANSITION_STARTED
 from miles_fsm.tracing import trace_path
 
 __all__ = ["Progress"]
+
+_FAILED = (TRANSITION_FAILED, DEMO_FAILED)
+
+
+class _Tail:
+    """The records appended to one rank's trace since the last read."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._offset = 0
+        # A file there before the ranks start is an earlier run's: its rank renames it away on start.
+        self._stale = _inode(path)
+
+    def records(self) -> list[dict[str, Any]]:
+        try:
+            with open(self._path, "rb") as f:
+                if os.fstat(f.fileno()).st_ino == self._stale:
+                    return []
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:  # the rank has not opened its trace yet
+            return []
+        # A line without its newline is still being written, or was cut short by a kill: never parsed.
+        end = chunk.rfind(b"\n") + 1
+        self._offset += end
+        out = []
+        for line in chunk[:end].splitlines():
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a damaged line only loses a progress tick; the report's reader lists it
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
 
 
 class Progress:
@@ -25,7 +71,7 @@ class Progress:
         self._out = out
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="miles-fsm-demo-progress", daemon=True)
-        self._offsets = [0] * config.ranks
+        self._tails = [_Tail(trace_path(config.trace_dir, r)) for r in range(config.ranks)]
         self._done = [0] * config.ranks
         self._reported = 0
 
@@ -65,24 +111,15 @@ class Progress:
 
     def _poll(self) -> str:
         note = ""
-        for r in range(self._config.ranks):
-            path = trace_path(self._config.trace_dir, r)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self._offsets[r])
-                    chunk = f.read()
-            except FileNotFoundError:
-                continue
-            end = chunk.rfind(b"\n") + 1
-            self._offsets[r] += end
-            for line in chunk[:end].splitlines():
-                rec = orjson.loads(line)
-                if rec.get("event") == "demo_step":
+        for r, tail in enumerate(self._tails):
+            for rec in tail.records():
+                event = rec.get("event")
+                if event == DEMO_STEP:
                     self._done[r] += 1
-                elif rec.get("event") in ("transition_failed", "demo_failed"):
+                elif event in _FAILED:
                     note = f"rank {r} failed: {rec.get('error')}"
                     if not self._out.is_terminal:
-                        self._out.print(f"rank {r}: {rec.get('event')} ({rec.get('error')})", markup=False)
-                elif rec.get("event") == "transition_started":
+                        self._out.print(f"rank {r}: {event} ({rec.get('error')})", markup=False)
+                elif event == TRANSITION_STARTED:
                     note = f"rank {r}: {rec.get('trigger')} (epoch {rec.get('epoch')})"
         return note
