@@ -1,0 +1,72 @@
+"""The ``miles-fsm demo`` subcommand: its flags, and the run they start."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from miles_fsm.apps.demo.config import INJECTION_KINDS, DemoConfig, Injection, fresh_trace_dir
+from miles_fsm.apps.demo.report import print_result
+from miles_fsm.apps.demo.run import run_demo
+from miles_fsm.states import Strategy
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run the colocated loop on the reference trainer and engine (CPU, gloo)",
+        description="Spawn N gloo ranks on CPU and run K verified RL steps; optionally inject faults.",
+    )
+    p.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--steps", type=int, default=4, help="RL steps per rank (default 4)")
+    p.add_argument("--mode", choices=[s.value for s in Strategy], default=Strategy.REMATERIALIZE.value)
+    p.add_argument("--trace-dir", type=Path, default=None, help="default: ./miles-fsm-traces/<timestamp>")
+    p.add_argument(
+        "--inject", action="append", default=[], type=_injection, metavar="KIND:RANK:STEP",
+        help=f"fault to inject, KIND in {'|'.join(INJECTION_KINDS)}; repeatable",
+    )
+    p.add_argument("--guard-timeout", type=float, default=10.0, help="seconds a guard waits (default 10)")
+    p.add_argument("--layers", type=int, default=2, help="model layers (default 2)")
+    p.add_argument("--dim", type=int, default=32, help="model width (default 32)")
+    p.set_defaults(run=_run, _parser=p)
+
+
+def _injection(text: str) -> Injection:
+    try:
+        return Injection.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    out = Console(highlight=False, soft_wrap=True)
+    config = DemoConfig(
+        ranks=args.ranks,
+        steps=args.steps,
+        mode=Strategy(args.mode),
+        trace_dir=args.trace_dir if args.trace_dir is not None else fresh_trace_dir(Path("miles-fsm-traces")),
+        injections=tuple(args.inject),
+        guard_timeout_s=args.guard_timeout,
+        layers=args.layers,
+        dim=args.dim,
+    )
+    problems = config.problems()
+    if problems:
+        args._parser.error("; ".join(problems))
+    out.print(
+        f"miles-fsm demo: {config.ranks} ranks, {config.steps} steps, {config.mode.value}"
+        + (f", injecting {', '.join(map(str, config.injections))}" if config.injections else "")
+        + f"; traces in {config.trace_dir}"
+    )
+    try:
+        result = run_demo(config, out=out)
+    except KeyboardInterrupt:
+        out.print(f"interrupted: every rank was stopped; partial traces in {config.trace_dir}")
+        return 130
+    print_result(result, out)
+    return result.exit_code

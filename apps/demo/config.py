@@ -1,0 +1,116 @@
+"""What one demo run is configured with: the faults to inject and the run's sizes and timeouts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_fsm.states import Strategy
+
+__all__ = ["INJECTION_KINDS", "DemoConfig", "Injection", "fresh_trace_dir"]
+
+INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Injection:
+    """One fault: ``kind`` at ``rank`` during RL step ``step`` (1-based)."""
+
+    kind: str
+    rank: int
+    step: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Injection":
+        parts = text.split(":")
+        if len(parts) != 3 or parts[0] not in INJECTION_KINDS:
+            raise ValueError(f"expected KIND:RANK:STEP with KIND in {'|'.join(INJECTION_KINDS)}, got {text!r}")
+        try:
+            rank, step = int(parts[1]), int(parts[2])
+        except ValueError:
+            raise ValueError(f"RANK and STEP must be integers, got {text!r}") from None
+        return cls(kind=parts[0], rank=rank, step=step)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.rank}:{self.step}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoConfig:
+    """Everything one demo run is configured with."""
+
+    ranks: int = 2
+    steps: int = 4
+    mode: Strategy = Strategy.REMATERIALIZE
+    trace_dir: Path = field(default_factory=lambda: fresh_trace_dir(Path("miles-fsm-traces")))
+    injections: tuple[Injection, ...] = ()
+    guard_timeout_s: float = 10.0
+    layers: int = 2
+    dim: int = 32
+    heads: int = 2
+    vocab: int = 64
+    max_seq: int = 32
+    batch: int = 4
+    prompt_len: int = 4
+    new_tokens: int = 8
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.ranks < 1:
+            out.append(f"--ranks must be >= 1, got {self.ranks}")
+        if self.steps < 1:
+            out.append(f"--steps must be >= 1, got {self.steps}")
+        if not self.guard_timeout_s > 0:
+            out.append(f"--guard-timeout must be > 0, got {self.guard_timeout_s}")
+        for inj in self.injections:
+            if not 0 <= inj.rank < self.ranks:
+                out.append(f"--inject {inj}: rank must be in 0..{self.ranks - 1}")
+            if not 1 <= inj.step <= self.steps:
+                out.append(f"--inject {inj}: step must be in 1..{self.steps}")
+            if inj.kind in ("hang", "diverge") and self.ranks < 2:
+                out.append(f"--inject {inj}: needs --ranks >= 2 (only a peer's guard can notice it)")
+        if self.layers < 1 or self.dim < 1 or self.heads < 1 or self.dim % self.heads:
+            out.append(f"--layers and --dim must be >= 1, --dim a multiple of {self.heads} heads")
+        if self.prompt_len + self.new_tokens > self.max_seq:
+            out.append(f"prompt_len + new_tokens must be <= max_seq ({self.max_seq})")
+        return out
+
+    @property
+    def pg_timeout_s(self) -> float:
+        """Timeout of the trainers' own collectives: a hang inside one still ends in time."""
+        return self.guard_timeout_s + 5.0
+
+    @property
+    def linger_s(self) -> float:
+        """Once a rank failed, how long the others get to report before they are killed."""
+        return 2.0
+
+    @property
+    def run_timeout_s(self) -> float:
+        return 60.0 + 20.0 * self.steps * max(1, self.ranks // 2) + 2 * self.guard_timeout_s
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Plain data for the rank processes."""
+        return {
+            "mode": self.mode.value,
+            "steps": self.steps,
+            "trace_dir": str(self.trace_dir),
+            "injections": [(i.kind, i.rank, i.step) for i in self.injections],
+            "guard_timeout_s": self.guard_timeout_s,
+            "model": {k: getattr(self, k) for k in ("vocab", "dim", "layers", "heads", "max_seq")},
+            "batch": self.batch,
+            "prompt_len": self.prompt_len,
+            "new_tokens": self.new_tokens,
+        }
+
+
+def fresh_trace_dir(root: Path) -> Path:
+    """A timestamped directory under ``root`` that does not exist yet."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = root / (stamp if n == 0 else f"{stamp}-{n}")
+        if not path.exists():
+            return path
+    raise FileExistsError(f"no fresh trace directory under {root}")

@@ -1,0 +1,97 @@
+"""The injected faults: the reference trainer that diverges, crashes or corrupts on cue, and the hang.
+
+A fault is armed for one RL step at a time (``DemoTrainer.armed``); each
+breaks the rank in the place the brief names:
+
+- ``diverge``: the rank believes a param is frozen (outside its buffers), so
+  its planned tensor set and collectives differ -> ``RankDivergenceError``;
+- ``hang``: the rank stops before its guard -> the others time out naming it;
+- ``crash``: the rank SIGKILLs itself inside ``param_sync`` (``restore`` under
+  backup) -> the others lose it, in the all-gather or at their next guard;
+- ``corrupt``: a bit flips in the rank's master shard before its restore ->
+  ``VerificationError``, traced back to the shard's owner.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+from typing import Any
+
+from miles_fsm.states import Strategy
+
+__all__ = ["DIVERGE_PARAM", "demo_trainer_cls", "hang_forever"]
+
+#: What a ``diverge`` rank wrongly believes is frozen (outside its buffers).
+DIVERGE_PARAM = "pos.weight"
+
+
+def hang_forever() -> None:
+    threading.Event().wait()
+
+
+@functools.cache
+def demo_trainer_cls() -> type:
+    """``ReferenceTrainer`` plus the demo's faults (built on first use: it imports torch)."""
+    from miles_fsm.drivers.reference import ReferenceTrainer
+    from miles_fsm.plan import Collective, TensorSet
+    from miles_fsm.states import StepKind
+
+    class DemoTrainer(ReferenceTrainer):
+        """The reference trainer with the demo's faults, armed for one step at a time."""
+
+        armed: str | None = None
+
+        @property
+        def _believed_frozen(self) -> int:
+            """Elements this rank wrongly leaves out of its buffer while ``diverge`` is armed."""
+            return self.params[DIVERGE_PARAM].numel() if self.armed == "diverge" else 0
+
+        def tensor_set(self) -> TensorSet:
+            tensors = super().tensor_set()
+            if self.armed != "diverge":
+                return tensors
+            return TensorSet(tuple(s for s in tensors.specs if s.name != DIVERGE_PARAM))
+
+        def collectives(self, step: Any) -> tuple[Collective, ...]:
+            out = super().collectives(step)
+            if step.kind is StepKind.PARAM_SYNC:
+                out = tuple(Collective(c.op, c.group, c.dtype, c.numel - self._believed_frozen) for c in out)
+            return out
+
+        def train_collectives(self) -> tuple[Collective, ...]:
+            return tuple(
+                Collective(c.op, c.group, c.dtype, c.numel - (self._believed_frozen if c.op != "all_reduce" else 0))
+                for c in super().train_collectives()
+            )
+
+        def cast_main_to_params(self) -> Any:
+            if self.armed == "corrupt":
+                self.flip_master_bit()
+            return super().cast_main_to_params()
+
+        def param_sync(self) -> Any:
+            # After the guard passed: the peers are inside the all-gather with us when we die.
+            if self.armed == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().param_sync()
+
+        def restore(self, tag: str) -> Any:
+            if self.armed == "crash" and self.strategy is Strategy.BACKUP:  # no param sync under backup
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.armed == "corrupt" and self.strategy is Strategy.BACKUP:
+                self.flip_master_bit()
+            return super().restore(tag)
+
+        def flip_master_bit(self) -> None:
+            """Flip the sign bit of one master weight inside a param this rank alone owns."""
+            import torch
+
+            name = self.param_within_shard(self.rank)
+            start = self.offset_of(name)[0] if name is not None else self.rank * self.shard_numel
+            i = start - self.rank * self.shard_numel
+            self.main_shard.view(torch.int32)[i : i + 1].bitwise_xor_(torch.tensor([-(2**31)], dtype=torch.int32))
+
+    return DemoTrainer

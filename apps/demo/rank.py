@@ -1,0 +1,143 @@
+"""One rank of the demo: K RL steps of the reference trainer and engine through a ``Lifecycle``.
+
+Runs in a child process started by ``miles_fsm.launch.run_ranks``, so it
+takes plain data (``DemoConfig.to_kwargs``) and returns plain data: the timed
+rows of every phase, the epochs verified, and the host bytes held while
+PAUSED. Each step::
+
+    offload -> pause (push weights) -> generate -> rematerialize -> sync
+    -> resume (verify) -> train
+
+The train step sits behind the same consensus guard as the lifecycle's
+collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from miles_fsm.apps.demo.events import DEMO_FAILED, DEMO_STEP
+from miles_fsm.apps.demo.faults import demo_trainer_cls, hang_forever
+from miles_fsm.apps.demo.locate import locate, publish_pid
+from miles_fsm.launch import RankContext
+from miles_fsm.states import Strategy
+
+__all__ = ["rank_main"]
+
+
+def rank_main(ctx: RankContext) -> dict[str, Any]:
+    """One rank of the demo; runs in a child process started by ``run_ranks``."""
+    import torch
+
+    from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
+    from miles_fsm.drivers.cpu_memory import CpuMemorySaver
+    from miles_fsm.drivers.reference import ModelConfig, TrainerConfig
+    from miles_fsm.drivers.reference_engine import EngineConfig, ReferenceEngine
+    from miles_fsm.guard import Guard
+    from miles_fsm.states import State, Trigger
+    from miles_fsm.states.lifecycle import Lifecycle
+
+    kw = ctx.kwargs
+    rank, world = ctx.rank, ctx.world
+    # N ranks share the host's cores; more intra-op threads than that only contend.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    mode = Strategy(kw["mode"])
+    model = ModelConfig(**kw["model"])
+    arms = {step: kind for kind, r, step in kw["injections"] if r == rank}
+    if world > 1:
+        publish_pid(rank)
+
+    saver = CpuMemorySaver()  # one "device": trainer and engine share it, as they share a GPU
+    trainer = demo_trainer_cls()(config=TrainerConfig(model=model, strategy=mode), saver=saver)
+    engine = ReferenceEngine(config=EngineConfig(model=model, max_batch=kw["batch"]), saver=saver)
+    guard = Guard.from_default_group(timeout_s=kw["guard_timeout_s"])
+    lc = Lifecycle(
+        trainer=trainer,
+        engine=engine,
+        config=LifecycleConfig(
+            guard=GuardConfig(timeout_s=kw["guard_timeout_s"]),
+            verify=VerifyConfig(cycles=None),
+            trace_dir=Path(kw["trace_dir"]),
+        ),
+        guard=guard,
+        trace_meta={"demo": {"steps": kw["steps"], "injections": [":".join(map(str, i)) for i in kw["injections"]]}},
+    )
+    rows: list[dict[str, Any]] = []
+    held: dict[str, int] = {}
+    verified: list[int] = []
+
+    def timed(name: str, fn: Callable[[], Any]) -> Any:
+        saver.reset_peak()
+        t0 = time.perf_counter()
+        out = fn()
+        rows.append(
+            {
+                "name": name,
+                "epoch": lc.epoch,
+                "duration_s": time.perf_counter() - t0,
+                "bytes_moved": getattr(out, "bytes_moved", None),
+                "peak_bytes": saver.peak_bytes(),
+                "host_bytes": trainer.backup_host_bytes() + saver.host_bytes(),
+            }
+        )
+        return out
+
+    where = "start"
+    with lc:
+        try:
+            timed("start", lc.start)
+            for step in range(1, kw["steps"] + 1):
+                trainer.armed = arms.get(step)
+                hang = hang_forever if trainer.armed == "hang" else None
+                where = "offload"
+                timed("offload", lambda: lc.fire(Trigger.OFFLOAD, before_guard=hang))
+                where = "pause"
+                timed("pause", lc.pause)
+                held = {
+                    "actor": trainer.backup_host_bytes("actor"),
+                    "actor_bf16_params": trainer.host_bf16_param_bytes(),
+                    "ref": trainer.backup_host_bytes("ref"),
+                    "saver_backups": saver.host_bytes(),
+                    "bf16_params": sum(t.numel() * 2 for t in trainer.params.values()),
+                }
+                where = "generate"
+                gen = torch.Generator().manual_seed(1000 * step + rank)
+                prompts = torch.randint(0, model.vocab, (kw["batch"], kw["prompt_len"]), generator=gen)
+                rollouts = timed("generate", lambda: engine.generate(prompts, max_new_tokens=kw["new_tokens"]))
+                for name, trig in (("rematerialize", Trigger.REMATERIALIZE), ("sync", Trigger.SYNC),
+                                   ("resume", Trigger.RESUME)):
+                    where = name
+                    timed(name, lambda t=trig: lc.fire(t))
+                verified.append(lc.epoch)
+                where = "train"
+                loss = timed("train", lambda: guarded_train(lc, trainer, rollouts, kw["prompt_len"]))
+                lc.tracer.emit(DEMO_STEP, epoch=lc.epoch, state=lc.state.value, trigger=None, step=step, loss=loss)
+        except Exception as exc:  # re-raised below, with the culprit named when the evidence allows
+            if lc.state is not State.FAILED and world > 1:  # the lifecycle publishes its own failures
+                guard.publish_failure(lc.epoch, where, lc.state.value, f"failed in {where} of")
+            located = locate(exc, rank=rank, world=world, guard=guard, trainer=trainer)
+            lc.tracer.emit(
+                DEMO_FAILED,
+                epoch=lc.epoch,
+                state=lc.state.value,
+                trigger=None,
+                where=where,
+                error=type(exc).__name__,
+                message=str(exc),
+                culprits=list(located.culprits) if located is not None else None,
+            )
+            if located is not None:
+                raise located from exc
+            raise
+    return {"rows": rows, "verified": verified, "held": held, "weights": len(trainer.weights())}
+
+
+def guarded_train(lc: Any, trainer: Any, rollouts: Any, prompt_len: int) -> float:
+    """The train step behind the consensus guard: its collectives are agreed on first."""
+    lc.agree_on("train", trainer.train_collectives())
+    reward = (rollouts[:, prompt_len:] % 2 == 0).float().sum(dim=1)
+    return trainer.train_step(rollouts, reward - reward.mean(), prompt_len=prompt_len)

@@ -1,0 +1,189 @@
+"""How a demo run ended: the result, whom to blame, and the summary the CLI prints.
+
+Blame comes first from what only the live run knows (the errors the ranks
+returned, with the culprits they located, and their exit codes); where that
+names no one, from the replay diagnosis of the run's traces.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from miles_fsm.apps.demo.config import DemoConfig
+from miles_fsm.diagnosis import Diagnosis
+from miles_fsm.launch import RankOutcome
+from miles_fsm.schema import ACTION_FINISHED, ACTION_STARTED, TRANSITION_FINISHED
+from miles_fsm.trace_reader import RankTrace
+
+__all__ = ["DemoResult", "blame", "print_result"]
+
+_ROWS = ("start", "offload", "pause", "generate", "rematerialize", "sync", "resume", "train")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoResult:
+    """How a demo run ended, for the CLI, tests and the benchmark."""
+
+    config: DemoConfig
+    outcomes: tuple[RankOutcome, ...]
+    wall_s: float
+    verified: dict[int, int]
+    culprits: tuple[int, ...]
+    diagnosis: str
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.outcomes) and all(
+            self.verified.get(r, 0) == self.config.steps for r in range(self.config.ranks)
+        )
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [row for o in self.outcomes if o.ok for row in o.result["rows"]]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One row per phase: count, median time, median bytes moved, peak device bytes, max host bytes."""
+        out = []
+        for name in _ROWS:
+            rows = [r for r in self.rows() if r["name"] == name]
+            if not rows:
+                continue
+            moved = [r["bytes_moved"] for r in rows if r["bytes_moved"] is not None]
+            out.append(
+                {
+                    "name": name,
+                    "count": len(rows),
+                    "median_s": statistics.median(r["duration_s"] for r in rows),
+                    "bytes_moved": int(statistics.median(moved)) if moved else None,
+                    "peak_bytes": max(r["peak_bytes"] for r in rows),
+                    "host_bytes": max(r["host_bytes"] for r in rows),
+                }
+            )
+        return out
+
+    def held(self) -> dict[str, int]:
+        """Host bytes held while PAUSED, on rank 0 (every rank holds the same)."""
+        return next((o.result["held"] for o in self.outcomes if o.ok), {})
+
+
+# ---------------------------------------------------------------- blame
+
+
+def blame(
+    outcomes: Sequence[RankOutcome], traces: Mapping[int, RankTrace], replay: Diagnosis | None
+) -> tuple[tuple[int, ...], str]:
+    """Who is to blame and a few lines saying why: the ranks' errors and exit codes, then the traces."""
+    if all(o.ok for o in outcomes):
+        return (), ""
+    named: Counter[int] = Counter()
+    died: list[int] = []
+    lines = []
+    for o in outcomes:
+        if o.error is not None:
+            first = o.error.message.splitlines()[0] if o.error.message else ""
+            lines.append(f"rank {o.rank}: {o.error.type}: {_clip(first)}")
+            for r in o.error.attrs.get("culprits") or o.error.attrs.get("missing") or ():
+                named[int(r)] += 1
+        elif o.ok:
+            lines.append(f"rank {o.rank}: finished")
+        else:
+            if o.exitcode is not None and o.exitcode < 0 and -o.exitcode == signal.SIGTERM:
+                how = "stopped by the demo after another rank failed: it was blocked or hung"
+            else:
+                how = f"died without reporting ({_exit_text(o.exitcode)})"
+                died.append(o.rank)
+            lines.append(f"rank {o.rank}: {how}; its trace ends with {trace_end(traces.get(o.rank))}")
+    from_traces = replay is not None and replay.culprit is not None and bool(replay.culprit["ranks"])
+    if named:
+        top = max(named.values())
+        culprits = tuple(sorted(r for r, n in named.items() if n == top))
+    elif died:
+        culprits = tuple(died)
+    elif from_traces:
+        culprits = tuple(replay.culprit["ranks"])
+        lines.append(f"from the traces: {replay.verdict}: {replay.headline}")
+    else:
+        culprits = tuple(o.rank for o in outcomes if o.error is not None)
+    head = f"culprit: rank {', '.join(map(str, culprits))}" if culprits else "culprit: unknown"
+    return culprits, "\n".join([head, *("  " + line for line in lines)])
+
+
+def trace_end(t: RankTrace | None) -> str:
+    """The last record of a rank's trace, in words: event, the action or trigger it names, state, epoch."""
+    if t is None or not t.records:
+        return "nothing (no trace)"
+    note = t.notes[-1] if t.notes and t.notes[-1].line == t.last_line else None
+    if note is not None:  # failures and located faults: the reader keeps the whole record
+        what = note.record.get("action") or note.record.get("trigger")
+    elif t.open is not None:
+        what = t.open.action if t.last_event in (ACTION_STARTED, ACTION_FINISHED) else t.open.trigger
+    elif t.last_event == TRANSITION_FINISHED and t.positions:
+        what = t.trigger_at(t.positions - 1)
+    else:  # records outside a transition (demo_step, the train step's guard): the reader keeps no trigger
+        what = None
+    return f"{t.last_event} {what or ''} in {t.state} (epoch {t.epoch})".replace("  ", " ")
+
+
+def _clip(text: str, limit: int = 240) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running when killed"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+# ---------------------------------------------------------------- print
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def print_result(result: DemoResult, out: Any) -> None:
+    """The summary table (on success) or the diagnosis (on failure), then the trace directory."""
+    from rich.table import Table
+
+    c = result.config
+    if result.ok:
+        table = Table(title=f"miles-fsm demo: {c.ranks} ranks x {c.steps} steps, {c.mode.value}, every cycle verified")
+        for col, justify in (("phase", "left"), ("n", "right"), ("median", "right"), ("bytes moved", "right"),
+                             ("peak device", "right"), ("host held", "right")):
+            table.add_column(col, justify=justify)
+        for row in result.summary():
+            table.add_row(
+                row["name"], str(row["count"]), f"{row['median_s'] * 1e3:.2f} ms", _human(row["bytes_moved"]),
+                _human(row["peak_bytes"]), _human(row["host_bytes"]),
+            )
+        out.print(table)
+        h = result.held()
+        out.print(
+            f"host bytes held while PAUSED ({c.mode.value}), per rank: actor copy {_human(h.get('actor'))} "
+            f"(of which bf16 params {_human(h.get('actor_bf16_params'))}; the bf16 params are "
+            f"{_human(h.get('bf16_params'))}), ref copy {_human(h.get('ref'))}, "
+            f"optimizer-state backup {_human(h.get('saver_backups'))}"
+        )
+        out.print(f"OK: {sum(result.verified.values())} cycles verified bit-exact in {result.wall_s:.1f} s")
+    else:
+        out.print(f"FAILED after {result.wall_s:.1f} s; {result.diagnosis}", markup=False)
+    out.print(f"traces: {c.trace_dir}  (miles-fsm replay {c.trace_dir})", markup=False)
