@@ -18,7 +18,7 @@ from miles_fsm.apps.demo.config import DemoConfig
 from miles_fsm.diagnosis import Diagnosis
 from miles_fsm.launch import RankOutcome
 from miles_fsm.schema import ACTION_FINISHED, ACTION_STARTED, TRANSITION_FINISHED
-from miles_fsm.trace_reader import RankTrace
+from miles_fsm.trace_model import RankTrace
 
 __all__ = ["DemoResult", "blame", "print_result"]
 

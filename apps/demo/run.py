@@ -12,7 +12,9 @@ from miles_fsm.apps.demo.rank import rank_main
 from miles_fsm.apps.demo.report import DemoResult, blame
 from miles_fsm.diagnosis import diagnose
 from miles_fsm.launch import run_ranks
-from miles_fsm.trace_reader import RankTrace, TraceDirError, find_traces, read_ranks
+from miles_fsm.trace_files import find_traces
+from miles_fsm.trace_model import RankTrace, TraceDirError
+from miles_fsm.trace_reader import read_ranks
 
 __all__ = ["run_demo"]
 

@@ -14,6 +14,7 @@ def demo_overhead(limits: Mapping[str, Any]) -> dict[str, Any]:
     import orjson
 
     from miles_fsm.apps.demo import DemoConfig, run_demo
+    from miles_fsm.schema import ACTION_FINISHED, GUARD_PASSED, TRANSITION_FINISHED, TRANSITION_STARTED
 
     out: dict[str, Any] = {}
     for label, kw in (("default", {}), ("dim256_layers4", {"dim": 256, "layers": 4})):
@@ -25,17 +26,17 @@ def demo_overhead(limits: Mapping[str, Any]) -> dict[str, Any]:
                 for line in (Path(d) / f"rank-{rank}.jsonl").read_bytes().splitlines():
                     rec = orjson.loads(line)
                     ev = rec["event"]
-                    if ev == "transition_started":
+                    if ev == TRANSITION_STARTED:
                         cur = {"trigger": rec["trigger"], "steps_s": 0.0, "guard_s": 0.0, "events": 1}
                         continue
                     if cur is None:
                         continue
                     cur["events"] += 1
-                    if ev == "action_finished":
+                    if ev == ACTION_FINISHED:
                         cur["steps_s"] += rec["duration_s"]
-                    elif ev == "guard_passed":
+                    elif ev == GUARD_PASSED:
                         cur["guard_s"] = rec["duration_s"]
-                    elif ev == "transition_finished":
+                    elif ev == TRANSITION_FINISHED:
                         dur = rec["duration_s"]
                         guard_model = limits["gloo"]["guard_us"] * 1e-6 if cur["guard_s"] > 0 else 0.0
                         trace_s = cur["events"] * limits["trace_event_us"] * 1e-6

@@ -88,6 +88,7 @@ def sha256_core_GBps(nbytes: int = 64 << 20, repeats: int = 3) -> float:
 
 def trace_event_us(n: int = 2000) -> float:
     """The cost of one trace record (structlog + orjson + one write), microseconds."""
+    from miles_fsm.schema import ACTION_FINISHED
     from miles_fsm.tracing import Tracer
 
     with tempfile.TemporaryDirectory() as d:
@@ -95,7 +96,7 @@ def trace_event_us(n: int = 2000) -> float:
         fields = {"epoch": 1, "trigger": "offload", "state": "TRAINING", "action": "backup(actor)"}
         t0 = time.perf_counter()
         for i in range(n):
-            tracer.emit("action_finished", duration_s=0.001, bytes_moved=i, host_bytes=i, mem_before=i,
+            tracer.emit(ACTION_FINISHED, duration_s=0.001, bytes_moved=i, host_bytes=i, mem_before=i,
                         mem_after=i, **fields)
         per = (time.perf_counter() - t0) / n
         tracer.close()

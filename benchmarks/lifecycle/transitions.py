@@ -6,9 +6,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-OFFLOAD = ("offload", "pause")
-WAKE = ("rematerialize", "sync")
-CYCLE = ("offload", "pause", "rematerialize", "sync", "resume")
+from miles_fsm.schema import TRANSITION_FAILED, TRANSITION_FINISHED, TRANSITION_STARTED
+from miles_fsm.states import CYCLE as _CYCLE
+from miles_fsm.states import DEFINITION, State
+
+#: The cycle's trigger names, from the table; the offload is TRAINING -> PAUSED, the wake PAUSED -> SYNCED.
+CYCLE = tuple(t.value for t in _CYCLE)
+OFFLOAD = tuple(t.value for t in DEFINITION.path(State.TRAINING, State.PAUSED))
+WAKE = tuple(t.value for t in DEFINITION.path(State.PAUSED, State.SYNCED))
 #: Steps that are verification, not data movement.
 VERIFY_STEPS = ("record_digests", "verify")
 
@@ -22,12 +27,12 @@ def trace_events(trace_file: Path) -> dict[tuple[int, str], int]:
     for line in trace_file.read_bytes().splitlines():
         rec = orjson.loads(line)
         event = rec.get("event")
-        if event == "transition_started":
+        if event == TRANSITION_STARTED:
             current = (rec["epoch"], rec["trigger"])
             counts[current] = 0
         if current is not None:
             counts[current] += 1
-            if event in ("transition_finished", "transition_failed"):
+            if event in (TRANSITION_FINISHED, TRANSITION_FAILED):
                 current = None
     return counts
 
