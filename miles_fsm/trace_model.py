@@ -149,6 +149,8 @@ class RankTrace:
     last_wall: float | None = None
     last_mono_ns: int | None = None
     last_event: str | None = None
+    #: What the last record names: its action, else its trigger (None: neither).
+    last_subject: str | None = None
     last_seq: int | None = None
     last_line: int = 0
     state: str | None = None

@@ -339,6 +339,8 @@ def _track_last(t: RankTrace, rec: dict[str, Any], line: int) -> None:
     if isinstance(mono, int):
         t.last_mono_ns = mono
     t.last_event = rec.get("event")
+    subject = rec.get("action") or rec.get("trigger")
+    t.last_subject = subject if isinstance(subject, str) else None
     t.last_seq = rec.get("seq")
     t.last_line = line
     if "state" in rec:

@@ -17,7 +17,6 @@ from typing import Any
 from miles_fsm.apps.demo.config import DemoConfig
 from miles_fsm.diagnosis import Diagnosis
 from miles_fsm.launch import RankOutcome
-from miles_fsm.schema import ACTION_FINISHED, ACTION_STARTED, TRANSITION_FINISHED
 from miles_fsm.trace_model import RankTrace
 
 __all__ = ["DemoResult", "blame", "print_result"]
@@ -120,15 +119,7 @@ def trace_end(t: RankTrace | None) -> str:
     """The last record of a rank's trace, in words: event, the action or trigger it names, state, epoch."""
     if t is None or not t.records:
         return "nothing (no trace)"
-    note = t.notes[-1] if t.notes and t.notes[-1].line == t.last_line else None
-    if note is not None:  # failures and located faults: the reader keeps the whole record
-        what = note.record.get("action") or note.record.get("trigger")
-    elif t.open is not None:
-        what = t.open.action if t.last_event in (ACTION_STARTED, ACTION_FINISHED) else t.open.trigger
-    elif t.last_event == TRANSITION_FINISHED and t.positions:
-        what = t.trigger_at(t.positions - 1)
-    else:  # records outside a transition (demo_step, the train step's guard): the reader keeps no trigger
-        what = None
+    what = t.last_subject
     return f"{t.last_event} {what or ''} in {t.state} (epoch {t.epoch})".replace("  ", " ")
 
 
