@@ -86,6 +86,7 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
         )
         return out
 
+    wake = lc.definition.path(State.PAUSED, State.TRAINING) or ()
     where = "start"
     with lc:
         try:
@@ -108,10 +109,9 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
                 gen = torch.Generator().manual_seed(1000 * step + rank)
                 prompts = torch.randint(0, model.vocab, (kw["batch"], kw["prompt_len"]), generator=gen)
                 rollouts = timed("generate", lambda: engine.generate(prompts, max_new_tokens=kw["new_tokens"]))
-                for name, trig in (("rematerialize", Trigger.REMATERIALIZE), ("sync", Trigger.SYNC),
-                                   ("resume", Trigger.RESUME)):
-                    where = name
-                    timed(name, lambda t=trig: lc.fire(t))
+                for trig in wake:  # PAUSED back to TRAINING, in the table's order
+                    where = trig.value
+                    timed(trig.value, lambda t=trig: lc.fire(t))
                 verified.append(lc.epoch)
                 where = "train"
                 loss = timed("train", lambda: guarded_train(lc, trainer, rollouts, kw["prompt_len"]))
