@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver, MemorySaver
-from miles_fsm.drivers.errors import IneligibleModelError
+from miles_fsm.drivers.errors import HostCopyMissingError, IneligibleModelError
 from miles_fsm.drivers.reference_model import ModelConfig, WeightSpec, forward, initial_value, weight_specs
 from miles_fsm.errors import ConfigError, MemoryReleasedError
 from miles_fsm.plan import Collective, TensorSet
@@ -151,10 +151,14 @@ class ReferenceTrainer:
         return slice(self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Every live weight by name (views, no copies)."""
+        """Every live weight by name (views, no copies). Refused while ``param_buffer`` is released:
+        a read of released memory is a crash on CPU as on a GPU, never data."""
+        self._require_resident("read the weights", ("param_buffer",))
         return {**self.params, **self.frozen, **self.extras}
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer's tensors by name (views). Refused while ``default`` is released."""
+        self._require_resident("read the optimizer state", ("default",))
         return {
             "optimizer.main_shard": self.main_shard,
             "optimizer.exp_avg": self.exp_avg,
@@ -190,13 +194,14 @@ class ReferenceTrainer:
     # ------------------------------------------------------- TrainerDriver
 
     def backup(self, tag: str) -> StepReport:
+        self._require_resident(f"backup({tag})", ("param_buffer",))
         src = self.extras if self._partial(tag) else self.weights()
         self._host[tag] = {n: t.detach().clone() for n, t in src.items()}
         return StepReport(bytes_moved=_nbytes(self._host[tag].values()), host_bytes=self.backup_host_bytes())
 
     def restore(self, tag: str) -> StepReport:
         if tag not in self._host:
-            raise KeyError(f"no host copy for tag {tag!r}; backup({tag!r}) first (held: {sorted(self._host)})")
+            raise HostCopyMissingError(tag=tag, held=list(self._host))
         self._require_resident("restore", ("param_buffer",))
         live = self.weights()
         for name, host in self._host[tag].items():
@@ -210,9 +215,13 @@ class ReferenceTrainer:
                  "params (keep_old_actor is not supported with rematerialize); backup the destination tag instead"],
                 "ReferenceTrainer.copy",
             )
+        if src_tag not in self._host:
+            raise HostCopyMissingError(tag=src_tag, held=list(self._host))
         self._host[dst_tag] = {n: t.clone() for n, t in self._host[src_tag].items()}
 
     def get(self, tag: str) -> Mapping[str, torch.Tensor]:
+        if tag not in self._host:
+            raise HostCopyMissingError(tag=tag, held=list(self._host))
         return dict(self._host[tag])
 
     def cast_main_to_params(self) -> StepReport:

@@ -166,7 +166,14 @@ class GuardError(MilesFsmError):
 
 
 class RankDivergenceError(GuardError, RuntimeError):
-    """Ranks disagree on the transition or on the collectives it will issue."""
+    """Ranks disagree on the transition or on the collectives it will issue.
+
+    ``field`` is the first field that differs and ``groups`` its values by
+    rank; ``differences`` holds every differing field the same way;
+    ``positions`` each rank's own (epoch, trigger); ``how`` says how the
+    suspects were found (``miles_fsm.blame``: ``changed``, ``minority`` or
+    ``tie``).
+    """
 
     def __init__(
         self,
@@ -177,6 +184,9 @@ class RankDivergenceError(GuardError, RuntimeError):
         groups: Mapping[str, Sequence[int]],
         detail: str = "",
         culprits: Sequence[int] | None = None,
+        how: str = "minority",
+        differences: Mapping[str, Mapping[str, Sequence[int]]] | None = None,
+        positions: Mapping[int, str] | None = None,
     ) -> None:
         self.epoch = epoch
         self.trigger = trigger
@@ -185,10 +195,23 @@ class RankDivergenceError(GuardError, RuntimeError):
         self.detail = detail
         minority = min(self.groups.values(), key=len) if self.groups else ()
         self.culprits = tuple(culprits) if culprits else tuple(minority)
-        lines = [f"  ranks [{list_ranks(v)}]: {k}" for k, v in self.groups.items()]
+        self.how = how
+        self.differences = {f: {k: tuple(v) for k, v in g.items()} for f, g in (differences or {field: groups}).items()}
+        self.positions = dict(positions or {})
+        if how == "tie":
+            suspect = f"It is a tie: nothing tells the sides apart; suspect every tied rank ({list_ranks(self.culprits)})."
+        elif how == "changed":
+            suspect = f"Suspect rank(s) {list_ranks(self.culprits)}: they changed it since every rank last agreed."
+        else:
+            suspect = f"Suspect rank(s) {list_ranks(self.culprits)}: the only ranks that hold their value."
+        lines = []
+        for name, by_value in self.differences.items():
+            lines.append(f"  {name}:")
+            lines.extend(f"    ranks [{list_ranks(v)}]: {k}" for k, v in by_value.items())
+        if self.positions and len(set(self.positions.values())) > 1:
+            lines.append("  each rank's own position: " + "; ".join(f"rank {r}: {p}" for r, p in sorted(self.positions.items())))
         super().__init__(
-            f"ranks disagree on {field} before {trigger} (epoch {epoch}); no collective was "
-            f"entered. Suspect rank(s) {list_ranks(self.culprits)}.\n"
+            f"ranks disagree on {field} before {trigger} (epoch {epoch}); no collective was entered. {suspect}\n"
             + "\n".join(lines)
             + (f"\n  {detail}" if detail else "")
             + "\nEvery rank must plan from rank-uniform facts (names, shapes, dtypes, bucket "

@@ -23,7 +23,14 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from miles_fsm.errors import GuardTimeoutError, LastSeen, PeerLostError, RankDivergenceError
+from miles_fsm.blame import suspects
+from miles_fsm.errors import (
+    GuardTimeoutError,
+    LastSeen,
+    PeerLostError,
+    ProcessGroupMissingError,
+    RankDivergenceError,
+)
 from miles_fsm.plan import Intent
 from miles_fsm.tracing import new_run_id
 
@@ -74,6 +81,8 @@ class Guard:
         self._serial = next(_SERIALS) if world > 1 else 0
         #: The last guard every rank passed: where a rank that later goes missing was last seen.
         self._last_passed: LastSeen | None = None
+        #: Per trigger, the intent every rank agreed on the last time it passed.
+        self._agreed: dict[str, Intent] = {}
 
     @classmethod
     def solo(cls) -> "Guard":
@@ -139,6 +148,8 @@ class Guard:
         self._publisher.disarm()
         if self._view[0] != -self._view[1]:
             raise self._divergence(intent)
+        # What every rank agreed on last for this trigger: the evidence of who changed, next time.
+        self._agreed[intent.trigger] = intent
         self._last_passed = LastSeen(
             rank=-1, epoch=intent.epoch, trigger=intent.trigger, state=state, phase="passed guard of", wall=time.time()
         )
@@ -203,7 +214,7 @@ class Guard:
         gathered: list[Intent | None] = [None] * self.world
         dist.all_gather_object(gathered, intent, group=self._group)
         intents = [i for i in gathered if i is not None]
-        return explain_divergence(intents)
+        return explain_divergence(intents, previous=self._agreed.get(intent.trigger))
 
 
 def _record(epoch: int, trigger: str, state: str, phase: str) -> bytes:
@@ -254,14 +265,25 @@ class _Publisher:
                 published = armed
 
 
-def explain_divergence(intents: "Sequence[Intent]") -> RankDivergenceError:
-    """Group ranks by intent and name the first field that differs (rank r is intents[r])."""
+def explain_divergence(intents: "Sequence[Intent]", *, previous: Intent | None = None) -> RankDivergenceError:
+    """Group ranks by intent, field by field, and name the suspects (rank r is intents[r]).
+
+    ``previous`` is the intent every rank agreed on the last time this
+    trigger passed: ranks that changed since are the suspects
+    (``miles_fsm.blame``), the same rule replay applies.
+    """
     by_field = [dict(i.fields()) for i in intents]
     names = [name for name, _ in intents[0].fields()]
-    field = next(n for n in names if len({f[n] for f in by_field}) > 1)
-    groups: dict[str, list[int]] = defaultdict(list)
-    for r, f in enumerate(by_field):
-        groups[f[field]].append(r)
+    differences: dict[str, dict[str, list[int]]] = {}
+    for name in names:
+        if len({f[name] for f in by_field}) > 1:
+            groups: dict[str, list[int]] = defaultdict(list)
+            for r, f in enumerate(by_field):
+                groups[f[name]].append(r)
+            differences[name] = dict(groups)
+    field = next(iter(differences))
+    before = dict(previous.fields()).get(field) if previous is not None else None
+    found = suspects(differences[field], previous=before)
     detail = ""
     # A different tensor set usually explains a different collective plan too
     # (a dropped param shrinks the buffer), so name the tensors either way.
@@ -274,23 +296,13 @@ def explain_divergence(intents: "Sequence[Intent]") -> RankDivergenceError:
         epoch=min(i.epoch for i in intents),
         trigger=intents[0].trigger,
         field=field,
-        groups=groups,
+        groups=differences[field],
         detail=detail,
-        culprits=_tie_break(intents, groups),
+        culprits=found.ranks,
+        how=found.how,
+        differences=differences,
+        positions={r: f"epoch {i.epoch}, {i.trigger}" for r, i in enumerate(intents)},
     )
-
-
-def _tie_break(intents: "Sequence[Intent]", groups: dict[str, list[int]]) -> list[int] | None:
-    """On a tie for the smallest group (e.g. 1 vs 1), suspect the ranks whose tensor set lacks
-    tensors that others hold: the seed's case is a rank that alone treats a param as frozen.
-    None keeps the default (the unique minority)."""
-    smallest = min(len(v) for v in groups.values())
-    tied = [ranks for ranks in groups.values() if len(ranks) == smallest]
-    if len(tied) < 2:
-        return None
-    union = frozenset().union(*(i.tensors.names for i in intents))
-    lacking = sorted(r for ranks in tied for r in ranks if intents[r].tensors.names < union)
-    return lacking or None
 
 
 def _tensor_set_detail(intents: "Sequence[Intent]", groups: dict[str, list[int]]) -> str:

@@ -153,3 +153,23 @@ def test_skipping_the_cast_or_the_param_sync_is_caught_by_verification(assert_no
         # Skipping the cast leaves this rank's own shard poisoned; skipping the sync leaves the other's.
         assert o.result["skip_cast"], f"rank {o.rank}: skipped cast went unnoticed"
         assert o.result["skip_sync"], f"rank {o.rank}: skipped sync went unnoticed"
+
+
+def test_reads_of_released_memory_are_refused_not_crashes():
+    """In PAUSED, backup(), weights() and optimizer reads raise MemoryReleasedError (they used to segfault),
+    and a host copy never taken is a HostCopyMissingError naming what is held."""
+    from miles_fsm.drivers.errors import HostCopyMissingError
+
+    lc = Lifecycle(trainer=(trainer := ReferenceTrainer()))
+    lc.start()
+    lc.offload()
+    lc.pause()
+    for read in (lambda: trainer.backup("actor"), trainer.weights, trainer.optimizer_state, trainer.tensors):
+        with pytest.raises(MemoryReleasedError, match="are not usable"):
+            read()
+    with pytest.raises(HostCopyMissingError, match="'teacher'"):
+        trainer.restore("teacher")
+    with pytest.raises(HostCopyMissingError):
+        trainer.copy("teacher", "old_actor")
+    lc.rematerialize(), lc.sync(), lc.resume()
+    assert trainer.weights() and trainer.optimizer_state()
