@@ -77,10 +77,6 @@ class Actions:
         """The epoch whose digests were recorded and not yet checked, if any."""
         return self._recorded[0] if self._recorded is not None else None
 
-    def forget_verification(self) -> None:
-        """Drop recorded digests (after a recovery: the bytes they describe are gone)."""
-        self._recorded = None
-
     def verifies(self, epoch: int) -> bool:
         return self._verify_config.active(epoch)
 
@@ -108,7 +104,6 @@ class Actions:
         if self._recorded is None or self._recorded[0] != epoch:
             return
         _, before_set, before = self._recorded
-        self._recorded = None
         tensors = self._trainer.tensors()
         after_set = TensorSet.of(tensors.items())
         try:
@@ -123,8 +118,10 @@ class Actions:
             if bad:
                 raise VerificationError(epoch=epoch, mismatched=bad)
         except VerificationError as exc:
+            # The record stays: a recovery must not let the next resume skip the check.
             self._trace_failed(exc, epoch, Trigger.RESUME, State.SYNCED)
             raise
+        self._recorded = None
         self._tracer.emit(VERIFIED, epoch=epoch, trigger=Trigger.RESUME.value, state=State.SYNCED.value,
                           tensors=len(after))  # fmt: skip
 

@@ -282,19 +282,55 @@ class Lifecycle:
                     reason=f"trainer tags {lost} are released and their contents are gone; "
                     "recover to PAUSED and rematerialize, or reload them first",
                 )
+            self._check_rebuilt(target)
             trainer.pause(sorted(target.trainer_paused_tags - trainer.paused))
             if self._engine is not None:
                 engine = self._actions.memory[Side.ENGINE]
                 engine.pause(sorted(target.engine_released_tags - engine.paused))
                 engine.resume(sorted(engine.paused - target.engine_released_tags))
+            # Recorded digests stay: the next resume of this epoch verifies against them.
             failure = self._machine.leave_failed(target)
-            self._actions.forget_verification()
             self.tracer.emit(
                 RECOVERED,
                 epoch=self.epoch,
                 state=target.value,
                 trigger=None,
                 after=describe(failure.error) if failure else None,
+            )
+
+    def _check_rebuilt(self, target: State) -> None:
+        """Refuse a target that would train on params the failed transition left unbuilt or unverified.
+
+        A failure at or after a rebuilding step (a trainer resume, the cast,
+        a restore, the param sync, the verification) leaves the params'
+        bytes undefined or known bad. The target must then re-run the
+        failed transition on its way back to TRAINING, and hold released
+        every tag that was resumed without being rebuilt.
+        """
+        failure = self._machine.failure
+        if failure is None or failure.step is None:
+            return  # the guard failed: no step ran
+        planned = self._plans[failure.trigger]
+        names = [p.name for p in planned]
+        if failure.step not in names:
+            return
+        ran = planned[: names.index(failure.step) + 1]
+        if not any(_rebuilds(p.step) for p in ran):
+            return
+        resumed = {tag for p in ran if p.step.kind is StepKind.RESUME_MEMORY and p.step.side is Side.TRAINER
+                   for tag in p.step.tags}  # fmt: skip
+        unbuilt = sorted((resumed - self._actions.memory[Side.TRAINER].paused) - target.trainer_paused_tags)
+        reruns = failure.trigger in (DEFINITION.path(target, State.TRAINING) or ())
+        if unbuilt or not reruns:
+            pending = self._actions.pending_verification
+            why = (f"trainer tags {unbuilt} were resumed but not rebuilt" if unbuilt else
+                   f"the params' bytes are {'known bad' if failure.step.startswith('verify') else 'not rebuilt'}")
+            raise RecoveryError(
+                target=target.value,
+                reason=f"{failure.trigger.value} failed in {failure.step} (epoch {failure.epoch}): {why}, and "
+                f"from {target.value} the way back to TRAINING would not run {failure.trigger.value} again"
+                + (f" (verification of epoch {pending} is pending)" if pending is not None else "")
+                + "; recover to PAUSED and rematerialize",
             )
 
     def close(self, error: BaseException | None = None) -> None:
@@ -310,6 +346,13 @@ class Lifecycle:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close(error=exc)
+
+
+def _rebuilds(step: Step) -> bool:
+    """Steps after whose start the params' bytes are undefined until the transition ends."""
+    if step.kind is StepKind.RESUME_MEMORY:
+        return step.side is Side.TRAINER
+    return step.kind in (StepKind.CAST_MAIN_TO_PARAMS, StepKind.RESTORE, StepKind.PARAM_SYNC, StepKind.VERIFY)
 
 
 def _next_epoch(trigger: Trigger, epoch: int) -> int:
