@@ -60,6 +60,7 @@ _EXPORTS = {
     "Trigger": "miles_fsm.states",
     "VerificationError": "miles_fsm.errors",
     "VerifyConfig": "miles_fsm.config",
+    "WeightChecksumError": "miles_fsm.errors",
     "WeightVersionError": "miles_fsm.errors",
 }
 
@@ -68,7 +69,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from miles_fsm.aio import AsyncLifecycle, AsyncSnapshot, RolloutWindow, StateChange, StateChanges
     from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
-    from miles_fsm.errors import BufferRoutingError, ConfigError, DefinitionError, EngineRequestError, EngineSessionError, EngineUpdateError, FaultLocatedError, GuardError, GuardTimeoutError, HostCopyMissingError, IneligibleModelError, LastSeen, MemoryReleasedError, MemoryTagError, MilesFsmError, MissingDependencyError, PeerLostError, RankDivergenceError, RankFailedError, RecoveryError, ResumeMemoryError, TensorSetChangedError, TransitionCancelled, TransitionNotAllowed, VerificationError, WeightVersionError
+    from miles_fsm.errors import BufferRoutingError, ConfigError, DefinitionError, EngineRequestError, EngineSessionError, EngineUpdateError, FaultLocatedError, GuardError, GuardTimeoutError, HostCopyMissingError, IneligibleModelError, LastSeen, MemoryReleasedError, MemoryTagError, MilesFsmError, MissingDependencyError, PeerLostError, RankDivergenceError, RankFailedError, RecoveryError, ResumeMemoryError, TensorSetChangedError, TransitionCancelled, TransitionNotAllowed, VerificationError, WeightChecksumError, WeightVersionError
     from miles_fsm.guard import Guard
     from miles_fsm.lifecycle import Failure, InFlight, Lifecycle, Snapshot, StepResult, TransitionResult
     from miles_fsm.plan import Collective, Intent, TensorSet, TensorSpec

@@ -38,6 +38,7 @@ __all__ = [
     "TransitionCancelled",
     "TransitionNotAllowed",
     "VerificationError",
+    "WeightChecksumError",
     "WeightVersionError",
 ]
 
@@ -302,6 +303,26 @@ class WeightVersionError(MilesFsmError, RuntimeError):
         super().__init__(
             f"engine {engine} reports weight version {actual!r} after a push of {expected!r}; "
             "it is serving other weights than the trainer's. Push again before generating."
+        )
+
+
+class WeightChecksumError(MilesFsmError, RuntimeError):
+    """After a push, the engine's own checksums of its weights differ from what they must be."""
+
+    def __init__(self, *, engine: str, against: str, mismatched: Sequence[str], missing: Sequence[str]) -> None:
+        self.engine = engine
+        self.against = against
+        self.mismatched = tuple(mismatched)
+        self.missing = tuple(missing)
+        parts = []
+        if self.mismatched:
+            parts.append(f"{len(self.mismatched)} differ: [{_names(self.mismatched)}]")
+        if self.missing:
+            parts.append(f"{len(self.missing)} it does not report: [{_names(self.missing)}]")
+        super().__init__(
+            f"engine {engine}: after the push, its weight checksums disagree with {against}; "
+            f"{'; '.join(parts)}. The push did not land as sent: push again before generating, and if it "
+            "repeats, check the weight names and layout the trainer sends."
         )
 
 
