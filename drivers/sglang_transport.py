@@ -161,27 +161,68 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]], load_form
     """SGLang's ``MultiprocessingSerializer`` format: ForkingPickler bytes, base64 for JSON.
 
     CUDA tensors travel as CUDA IPC handles (the server must share the GPU).
-    CPU tensors are cloned first: pickling a CPU tensor moves its storage into
-    shared memory in place, which would make the trainer's storage
-    unresizable (and break a memory saver that frees it). Every call makes
-    fresh copies, so one payload per TP rank is one call per rank.
+    CPU tensors travel by value, inside the payload: torch's own sharing of a
+    CPU tensor passes a file descriptor that the engine fetches from this
+    process over a connection keyed with this process's ``authkey``, which
+    an engine started elsewhere does not have; and it would move the
+    trainer's storage into shared memory in place.
 
     The engine unpickles with an allow-list (SGLang 0.5.17: torch,
     ``multiprocessing.resource_sharer``/``reduction``, SGLang's own modules,
     builtins...), so only tensors, names and SGLang's bucket metadata go in.
     """
-    from multiprocessing.reduction import ForkingPickler
-
     import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
 
     payload: Any
     if load_format == "flattened_bucket":
         payload = flattened_bucket(named)
     else:
-        payload = [(name, t.detach().clone() if t.device.type == "cpu" else t.detach()) for name, t in named]
+        payload = [(name, t.detach()) for name, t in named]
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(payload)
+    _PayloadPickler(buf).dump(payload)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _payload_pickler() -> type:
+    import functools
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    class FlatBytes:
+        """A CPU tensor's bytes, rebuilt by ``torch.frombuffer`` (a name SGLang's unpickler allows)."""
+
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    class PayloadPickler(ForkingPickler):
+        """ForkingPickler (CUDA IPC for CUDA tensors) that writes CPU tensors by value."""
+
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                t = obj.detach().contiguous()
+                if t.numel() == 0:
+                    return functools.partial(torch.empty, dtype=t.dtype), (tuple(t.shape),)
+                return torch.reshape, (FlatBytes(t), tuple(t.shape))
+            if isinstance(obj, FlatBytes):
+                # Through a copy: exporting the trainer's own storage to numpy
+                # would make it unresizable, and a memory saver frees by resizing.
+                data = bytearray(obj.t.reshape(-1).view(torch.uint8).clone().numpy().tobytes())
+                return functools.partial(torch.frombuffer, dtype=obj.t.dtype), (data,)
+            return NotImplemented
+
+    return PayloadPickler
+
+
+class _PayloadPickler:
+    """Builds the pickler class on first use, so importing this module does not import torch."""
+
+    _cls: type | None = None
+
+    def __new__(cls, buf: io.BytesIO) -> Any:
+        if cls._cls is None:
+            cls._cls = _payload_pickler()
+        return cls._cls(buf)
 
 
 def flattened_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
