@@ -4,8 +4,10 @@ It implements the endpoints and rules SGLang's engine enforces, its failure
 behaviours included, so that the driver can be tested without SGLang (which
 cannot be installed on the CPU machines). The rules come from SGLang's
 sources (``../shared/notes/stack-facts.md``, and 0.5.17's own code in
-``../shared/sglang-h200``); where those and this server differed, this server
-was changed to do what SGLang does:
+``../shared/sglang-h200``), and those of 0.5.17 were checked against a real
+0.5.17 server on an H200 (``benchmarks/results/sglang_h200.json``,
+``docs/sglang.md``); where SGLang and this server differed, this server was
+changed to do what SGLang does:
 
 - two protocol generations: with sessions (0.5.21 and later, the default)
   and without (``sessions=False``, ``version="0.5.17"``), where

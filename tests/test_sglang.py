@@ -4,7 +4,8 @@ SGLang cannot be installed on the CPU machines: ``tests/sglang_server.py``
 enforces the protocol rules SGLang's sources state, in both protocol
 generations (with weight-update sessions, 0.5.21+; without, 0.5.17), and
 these tests pin down that the driver respects them and turns every violation
-into the project's own error.
+into the project's own error. ``tests/test_sglang_gpu.py`` checks the rules
+where misuse kills the engine against real SGLang 0.5.17.
 """
 
 from __future__ import annotations
