@@ -19,6 +19,7 @@ __all__ = [
     "IneligibleModelError",
     "MissingDependencyError",
     "ResumeMemoryError",
+    "WeightChecksumError",
 ]
 
 
@@ -146,3 +147,23 @@ class MissingDependencyError(MilesFsmError, ImportError):
         self.needed_for = needed_for
         how = f"pip install 'miles-fsm[{extra}]'" if extra else f"pip install {package}"
         super().__init__(f"{needed_for} needs the {package!r} package, which is not installed; run: {how}")
+
+
+class WeightChecksumError(MilesFsmError, RuntimeError):
+    """After a push, the engine's own checksums of its weights differ from what they must be."""
+
+    def __init__(self, *, engine: str, against: str, mismatched: Sequence[str], missing: Sequence[str]) -> None:
+        self.engine = engine
+        self.against = against
+        self.mismatched = tuple(mismatched)
+        self.missing = tuple(missing)
+        parts = []
+        if self.mismatched:
+            parts.append(f"{len(self.mismatched)} differ: [{list_names(self.mismatched)}]")
+        if self.missing:
+            parts.append(f"{len(self.missing)} it does not report: [{list_names(self.missing)}]")
+        super().__init__(
+            f"engine {engine}: after the push, its weight checksums disagree with {against}; "
+            f"{'; '.join(parts)}. The push did not land as sent: push again before generating, and if it "
+            "repeats, check the weight names and layout the trainer sends."
+        )

@@ -2,15 +2,26 @@
 
 ``SGLangEngineDriver`` implements ``EngineDriver`` over one or more engines
 (one trainer group may feed several). It turns SGLang's sharp edges into
-guarded steps (facts: ``../shared/notes/stack-facts.md``, SGLang 0.5.23):
+guarded steps (facts: ``../shared/notes/stack-facts.md``; run against real
+SGLang 0.5.17 on an H200, ``docs/sglang.md``):
 
-- a double release kills the scheduler, so the driver tracks released tags per
-  engine and refuses with ``MemoryTagError`` before anything is sent;
-- updates fail outside a begin/end session (since 0.5.21), so every push runs
-  inside one, and a failure mid-update ends every session it opened and says
-  which could not be ended (``EngineUpdateError``);
+- a double release, a resume of a tag that is not released, and a release
+  while requests run each kill the scheduler, so the driver tracks released
+  tags per engine and refuses with ``MemoryTagError`` before anything is
+  sent, and pauses generation (``abort``) before it releases anything;
+  generation continues only once every tag is back;
+- what an engine supports is probed once per engine
+  (``EngineCapabilities``): updates run inside a begin/end session where the
+  engine has sessions (0.5.21 and later; outside one they fail), and without
+  one where it has none (0.5.17). A failure mid-update ends every session it
+  opened with ``abort`` and says which could not be ended
+  (``EngineUpdateError``);
 - the version set with a push is read back; a mismatch is a
-  ``WeightVersionError`` naming both versions.
+  ``WeightVersionError`` naming both versions;
+- where the engine has ``/weights_checker``, its own checksums are read after
+  each push and compared with the checksums the trainer expects
+  (``SGLangConfig.expected_checksums``) or, without those, across the engines
+  that received the same push (``WeightChecksumError``).
 
 Every engine error surfaces as ``EngineRequestError`` (or a subclass), never as
 a raw HTTP or transport error. The transports (``HttpTransport``,
@@ -28,7 +39,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError, EngineUpdateError
+from miles_fsm.drivers.errors import (
+    EngineRequestError,
+    EngineSessionError,
+    EngineUpdateError,
+    WeightChecksumError,
+)
 from miles_fsm.errors import ConfigError
 from miles_fsm.states.errors import MemoryTagError, WeightVersionError
 
@@ -40,11 +56,14 @@ if TYPE_CHECKING:
     from miles_fsm.states import Step
 
 from miles_fsm.drivers.sglang_transport import (
+    EngineCapabilities,
+    EngineChecksums,
     EngineTransport,
     HttpConfig,
     HttpTransport,
     SGLangTransport,
     buckets,
+    flattened_bucket_class,
     serialize_named_tensors,
 )
 
@@ -53,6 +72,8 @@ __all__ = [
     "PAUSE_MODES",
     "RESUME_ORDER",
     "DistributedConfig",
+    "EngineCapabilities",
+    "EngineChecksums",
     "EngineTransport",
     "HttpConfig",
     "HttpTransport",
@@ -67,6 +88,10 @@ MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 #: SGLang resumes in this order; the driver does too when given several tags.
 RESUME_ORDER = ("cuda_graph", "weights", "kv_cache")
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+#: Maps the pushed weights to the checksums each TP rank of an engine must then report
+#: (SGLang's names and hash; see ``SGLangConfig.expected_checksums``).
+ExpectedChecksums = Callable[[Sequence[tuple[str, "torch.Tensor"]]], Sequence[Mapping[str, str]]]
 
 
 # ------------------------------------------------------------------ configs
@@ -109,12 +134,21 @@ class SGLangConfig:
     bucket_bytes: int = 512 << 20
     #: Tensor-parallel ranks per engine: one serialized payload per rank.
     tp_size: int = 1
+    #: None (the model's own loader), "direct", a custom loader's name, or "flattened_bucket"
+    #: (one flat tensor per bucket; needs sglang importable here, for its metadata class).
     load_format: str | None = None
     #: Flush the radix cache once after the session ends (the KV of old weights is stale).
     flush_cache: bool = True
     #: ``pause_generation`` mode around a push, or None to leave generation alone.
-    #: "abort" is the one that leaves nothing pending, which a flush needs.
+    #: "abort" is the one that leaves nothing pending, which a flush needs. Unless None,
+    #: the driver also pauses with "abort" before releasing memory (a release with
+    #: requests in flight kills the scheduler) and continues once every tag is back.
     pause_mode: str | None = "abort"
+    #: Read the engine's own checksums after each push, where it has ``/weights_checker``.
+    verify_checksums: bool = True
+    #: The checksums each TP rank must report after a push of these weights, in SGLang's
+    #: names and hash. Without it, engines that received the same push must agree.
+    expected_checksums: ExpectedChecksums | None = None
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
@@ -125,6 +159,8 @@ class SGLangConfig:
             problems.append(f"bucket_bytes must be >= 1, got {self.bucket_bytes!r}")
         if self.tp_size < 1:
             problems.append(f"tp_size must be >= 1, got {self.tp_size!r}")
+        if self.load_format == "flattened_bucket" and self.method == "distributed":
+            problems.append("load_format='flattened_bucket' is supported with method='tensor' only")
         if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
             problems.append(f"pause_mode must be one of {PAUSE_MODES} or None, got {self.pause_mode!r}")
         if self.pause_mode in ("in_place", "retract") and self.flush_cache:
@@ -161,6 +197,11 @@ class SGLangEngineDriver:
     and a resume when none has, with ``MemoryTagError`` and nothing sent; after
     a partial failure it only touches the engines that still need the call, so
     ``Lifecycle.recover`` can finish the job without a double release.
+
+    Unless ``pause_mode`` is None, generation is paused (``abort``) on an
+    engine before its first release and continued once every tag is back on
+    it: a release with requests in flight kills the scheduler, and requests
+    must not run while weights or KV cache are released.
     """
 
     def __init__(self, transports: Sequence[SGLangTransport], *, config: SGLangConfig | None = None) -> None:
@@ -175,6 +216,9 @@ class SGLangEngineDriver:
         self._open_sessions: dict[str, str] = {}
         self._stale: set[str] = set()
         self._pushed: dict[str, str] = {}
+        self._capabilities: dict[str, EngineCapabilities] = {}
+        self._checksums: dict[str, EngineChecksums] = {}
+        self._paused: set[str] = set()
         self._groups = 0
 
     @classmethod
@@ -222,25 +266,48 @@ class SGLangEngineDriver:
         """Engines whose weights were resumed and not pushed since: their contents are garbage."""
         return frozenset(self._stale)
 
+    @property
+    def paused(self) -> frozenset[str]:
+        """Engines on which this driver paused generation and has not continued it yet."""
+        return frozenset(self._paused)
+
+    @property
+    def checksums(self) -> Mapping[str, EngineChecksums]:
+        """The engines' own checksums read after the last verified push (engines with a checker)."""
+        return dict(self._checksums)
+
+    def capabilities(self) -> Mapping[str, EngineCapabilities]:
+        """What each engine supports, probed on first use and kept (one probe per engine)."""
+        for t in self._transports:
+            if t.name not in self._capabilities:
+                self._capabilities[t.name] = t.probe()
+        return dict(self._capabilities)
+
     # ------------------------------------------------------------- memory
 
     def release_memory(self, tag: str) -> None:
-        """Release ``tag`` on every engine that holds it."""
+        """Release ``tag`` on every engine that holds it (pausing generation there first)."""
         _check_tag(tag)
         targets = [t for t in self._transports if tag not in self._released[t.name]]
         if not targets:
             raise MemoryTagError(side="engine", tag=tag, op="pause", paused=self._all_released())
         for t in targets:
+            if self._config.pause_mode is not None and t.name not in self._paused:
+                # "abort" whatever pause_mode says: retracted or in-place requests
+                # keep the scheduler busy, and a busy release kills it.
+                t.pause_generation("abort")
+                self._paused.add(t.name)
             self._memory_call(t, tag, release=True)
 
     def resume_memory(self, tag: str) -> None:
-        """Resume ``tag`` on every engine that released it."""
+        """Resume ``tag`` on every engine that released it; continue generation where all tags are back."""
         _check_tag(tag)
         targets = [t for t in self._transports if tag in self._released[t.name]]
         if not targets:
             raise MemoryTagError(side="engine", tag=tag, op="resume", paused=self._all_released())
         for t in targets:
             self._memory_call(t, tag, release=False)
+            self._continue_if_resident(t)
 
     def release_all(self, tags: Sequence[str] | None = None) -> None:
         """Release several tags (None: all three), one request per tag."""
@@ -280,10 +347,21 @@ class SGLangEngineDriver:
             if tag == "weights":
                 self._stale.add(t.name)
 
+    def _continue_if_resident(self, t: SGLangTransport) -> None:
+        """Continue generation on ``t`` if this driver paused it and every tag is back."""
+        if t.name in self._paused and not self._released[t.name]:
+            t.continue_generation()
+            self._paused.discard(t.name)
+
     # ------------------------------------------------------------- weights
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str) -> StepReport | None:
-        """Push ``named`` to every engine in one session each, set ``version``, read it back."""
+        """Push ``named`` to every engine (in a session where it has them), set ``version``, read it back.
+
+        Then, where the engine has ``/weights_checker``, compare its own
+        checksums with the expected ones (``SGLangConfig.expected_checksums``)
+        or with the other engines' (``WeightChecksumError``).
+        """
         from miles_fsm.states.protocols import StepReport
 
         named = list(named)
@@ -301,14 +379,23 @@ class SGLangEngineDriver:
                     op="update_weights",
                     detail="its 'weights' memory is released; resume it before pushing (nothing was sent)",
                 )
+        if self._config.load_format == "flattened_bucket":
+            flattened_bucket_class()  # a missing sglang is reported before anything is sent
+        caps = self.capabilities()
         parts = list(buckets(named, self._config.bucket_bytes))
         state = _UpdateState()
         try:
-            self._fan_out(state, "pause_generation", self._pause_generation)
+            if self._config.pause_mode is not None:
+                for t in self._transports:
+                    if t.name not in self._paused:
+                        state.at(t, "pause_generation")
+                        t.pause_generation(self._config.pause_mode)
+                        self._paused.add(t.name)
             for t in self._transports:
-                state.at(t, "begin_weight_update")
-                t.begin_update()
-                state.opened.append(t)
+                if caps[t.name].sessions:
+                    state.at(t, "begin_weight_update")
+                    t.begin_update()
+                    state.opened.append(t)
             if self._config.method == "tensor":
                 self._push_tensors(state, parts, version)
             else:
@@ -319,7 +406,7 @@ class SGLangEngineDriver:
                 state.opened.remove(t)
             if self._config.flush_cache:
                 self._fan_out(state, "flush_cache", lambda t: t.flush_cache())
-            self._fan_out(state, "continue_generation", self._continue_generation)
+            self._fan_out(state, "continue_generation", self._continue_if_resident)
         # Any failure, the engine's or the trainer side's broadcast, ends the
         # sessions it opened before it propagates, and is reported with them.
         except Exception as exc:  # noqa: BLE001
@@ -331,21 +418,31 @@ class SGLangEngineDriver:
                     raise WeightVersionError(engine=t.name, expected=version, actual=actual)
             self._pushed[t.name] = version
             self._stale.discard(t.name)
+        self._verify_checksums(named, caps)
         moved = sum(x.numel() * x.element_size() for _, x in named) * len(self._transports)
         return StepReport(bytes_moved=moved)
+
+    def _verify_checksums(
+        self, named: Sequence[tuple[str, torch.Tensor]], caps: Mapping[str, EngineCapabilities]
+    ) -> None:
+        checked = [t for t in self._transports if caps[t.name].weights_checker]
+        if not self._config.verify_checksums or not checked:
+            return
+        got = {t.name: t.checksums() for t in checked}
+        self._checksums = got
+        if self._config.expected_checksums is not None:
+            expected = [dict(m) for m in self._config.expected_checksums(named)]
+            for engine, sums in got.items():
+                _compare_checksums(engine, "the checksums the trainer expects", expected, sums.ranks)
+            return
+        first, *others = checked
+        for t in others:
+            _compare_checksums(t.name, f"engine {first.name}", got[first.name].ranks, got[t.name].ranks)
 
     def _fan_out(self, state: _UpdateState, op: str, fn: Callable[[SGLangTransport], None]) -> None:
         for t in self._transports:
             state.at(t, op)
             fn(t)
-
-    def _pause_generation(self, t: SGLangTransport) -> None:
-        if self._config.pause_mode is not None:
-            t.pause_generation(self._config.pause_mode)
-
-    def _continue_generation(self, t: SGLangTransport) -> None:
-        if self._config.pause_mode is not None:
-            t.continue_generation()
 
     def _push_tensors(self, state: _UpdateState, parts: list[list[tuple[str, torch.Tensor]]], version: str) -> None:
         cfg = self._config
@@ -454,19 +551,18 @@ class SGLangEngineDriver:
         left_open: list[str] = []
         for t in state.opened:
             try:
-                t.end_update()
+                t.end_update(abort=True)
             except (EngineRequestError, EngineSessionError) as end_exc:
                 left_open.append(t.name)
-                self._open_sessions[t.name] = f"{state.op} failed; end_weight_update then failed: {end_exc}"
+                self._open_sessions[t.name] = f"{state.op} failed; end_weight_update(abort) then failed: {end_exc}"
             else:
                 closed.append(t.name)
         unpaused: list[str] = []
-        if self._config.pause_mode is not None:
-            for t in self._transports:
-                try:
-                    t.continue_generation()
-                except (EngineRequestError, EngineSessionError):
-                    unpaused.append(t.name)
+        for t in self._transports:
+            try:
+                self._continue_if_resident(t)
+            except (EngineRequestError, EngineSessionError):
+                unpaused.append(t.name)
         engine = state.engine.name if state.engine is not None else "trainer"
         err = EngineUpdateError(
             engine=engine,
@@ -481,12 +577,12 @@ class SGLangEngineDriver:
         return err
 
     def close_sessions(self) -> list[str]:
-        """End the sessions a failed update left open; returns the engines it ended them on."""
+        """End (with ``abort``) the sessions a failed update left open; returns the engines it ended them on."""
         ended = []
         by_name = {t.name: t for t in self._transports}
         for name in list(self._open_sessions):
             try:
-                by_name[name].end_update()
+                by_name[name].end_update(abort=True)
             except EngineSessionError:
                 pass  # success=False: no session is open there any more, which is what we wanted
             del self._open_sessions[name]
@@ -524,8 +620,10 @@ class SGLangEngineDriver:
             t.pause_generation(mode)
 
     def continue_generation(self) -> None:
+        """Continue generation on every engine, including those the driver paused around a release."""
         for t in self._transports:
             t.continue_generation()
+            self._paused.discard(t.name)
 
     def close(self) -> None:
         """Close the HTTP clients. Sessions still open are reported, not hidden."""
@@ -537,6 +635,38 @@ class SGLangEngineDriver:
                 op="close",
                 detail=f"sessions are still open: {self._open_sessions}",
             )
+
+
+def _compare_checksums(
+    engine: str, against: str, expected: Sequence[Mapping[str, str]], actual: Sequence[Mapping[str, str]]
+) -> None:
+    """Raise ``WeightChecksumError`` unless every TP rank reports the checksums of ``expected``.
+
+    Names only ``actual`` has are ignored against the trainer's expectation
+    (the engine holds more than the trainer pushes), but count when the
+    reference is another engine, which must hold exactly the same.
+    """
+    if len(expected) != len(actual):
+        raise WeightChecksumError(
+            engine=engine,
+            against=against,
+            mismatched=[f"(the number of TP ranks: {len(actual)} reported, {len(expected)} expected)"],
+            missing=[],
+        )
+    strict = against.startswith("engine ")
+    mismatched: list[str] = []
+    missing: list[str] = []
+    for rank, (want, have) in enumerate(zip(expected, actual)):
+        prefix = f"rank {rank}: " if len(expected) > 1 else ""
+        for name in sorted(want):
+            if name not in have:
+                missing.append(prefix + name)
+            elif have[name] != want[name]:
+                mismatched.append(prefix + name)
+        if strict:
+            mismatched.extend(prefix + name for name in sorted(set(have) - set(want)))
+    if mismatched or missing:
+        raise WeightChecksumError(engine=engine, against=against, mismatched=mismatched, missing=missing)
 
 
 class _UpdateState:

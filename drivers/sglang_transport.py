@@ -1,9 +1,11 @@
 """SGLang transports: the HTTP server API and the offline ``sglang.Engine``.
 
-A transport only speaks SGLang's protocol (stack-facts.md, SGLang 0.5.23): one
-request per call, errors turned into ``EngineRequestError`` (or
-``EngineSessionError`` for a refused session). The rules (which tag may be
-released, sessions around pushes, versions) live in ``SGLangEngineDriver``
+A transport only speaks SGLang's protocol: one request per call, errors turned
+into ``EngineRequestError`` (or ``EngineSessionError`` for a refused session).
+What an engine supports differs by version (weight-update sessions arrived in
+0.5.21; 0.5.17 has none), so each transport can ``probe()`` it once into an
+``EngineCapabilities``. The rules (which tag may be released, sessions around
+pushes, versions, checksums) live in ``SGLangEngineDriver``
 (``miles_fsm.drivers.sglang``).
 """
 
@@ -16,21 +18,55 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError
-from miles_fsm.drivers.errors import MissingDependencyError
+from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError, MissingDependencyError
 from miles_fsm.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "EngineCapabilities",
+    "EngineChecksums",
     "EngineTransport",
     "HttpConfig",
     "HttpTransport",
     "SGLangTransport",
     "buckets",
+    "flattened_bucket",
+    "flattened_bucket_class",
+    "parse_checksums",
     "serialize_named_tensors",
 ]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineCapabilities:
+    """What one engine supports, probed once (``SGLangTransport.probe``).
+
+    ``sessions``: ``/begin_weight_update`` and ``/end_weight_update`` exist
+    (SGLang 0.5.21 and later; slime and NeMo-RL also run engines without them).
+    ``weights_checker``: ``/weights_checker`` answers ``action=checksum`` with
+    the engine's own per-rank checksums of the weights it serves.
+    ``version``: the SGLang version the engine reports, or None if it says none.
+    """
+
+    version: str | None
+    sessions: bool
+    weights_checker: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineChecksums:
+    """The engine's checksums of the weights it serves: one mapping per TP rank.
+
+    Names and hashes are SGLang's (its own fused layout, e.g. ``qkv_proj``,
+    and its own 64-bit tensor hash), not the trainer's; ``per_rank`` is each
+    rank's digest over its mapping, ``per_engine`` the engine's over those.
+    """
+
+    ranks: tuple[Mapping[str, str], ...]
+    per_rank: tuple[str, ...]
+    per_engine: str | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,10 +109,18 @@ class SGLangTransport(Protocol):
         """Whether the engine stores the version the push carries (HTTP can; the Engine cannot)."""
         ...
 
+    def probe(self) -> EngineCapabilities:
+        """Ask the engine what it supports; the driver calls this once per engine."""
+        ...
+
     def release(self, tags: Sequence[str]) -> None: ...
     def resume(self, tags: Sequence[str]) -> None: ...
     def begin_update(self) -> None: ...
-    def end_update(self) -> None: ...
+    def end_update(self, *, abort: bool = False) -> None:
+        """End the session; ``abort=True`` when the update was cancelled or failed."""
+        ...
+
+    def checksums(self) -> EngineChecksums: ...
     def update_from_tensor(
         self,
         named: Sequence[tuple[str, torch.Tensor]],
@@ -109,22 +153,121 @@ class SGLangTransport(Protocol):
     def close(self) -> None: ...
 
 
-def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]], load_format: str | None = None) -> str:
     """SGLang's ``MultiprocessingSerializer`` format: ForkingPickler bytes, base64 for JSON.
 
     CUDA tensors travel as CUDA IPC handles (the server must share the GPU).
-    CPU tensors are cloned first: pickling a CPU tensor moves its storage into
-    shared memory in place, which would make the trainer's storage
-    unresizable (and break a memory saver that frees it).
-    """
-    from multiprocessing.reduction import ForkingPickler
+    CPU tensors travel by value, inside the payload: torch's own sharing of a
+    CPU tensor passes a file descriptor that the engine fetches from this
+    process over a connection keyed with this process's ``authkey``, which
+    an engine started elsewhere does not have; and it would move the
+    trainer's storage into shared memory in place.
 
+    The engine unpickles with an allow-list (SGLang 0.5.17: torch,
+    ``multiprocessing.resource_sharer``/``reduction``, SGLang's own modules,
+    builtins...), so only tensors, names and SGLang's bucket metadata go in.
+    """
     import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
 
-    payload = [(name, t.detach().clone() if t.device.type == "cpu" else t.detach()) for name, t in named]
+    payload: Any
+    if load_format == "flattened_bucket":
+        payload = flattened_bucket(named)
+    else:
+        payload = [(name, t.detach()) for name, t in named]
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(payload)
+    _PayloadPickler(buf).dump(payload)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _payload_pickler() -> type:
+    import functools
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    class FlatBytes:
+        """A CPU tensor's bytes, rebuilt by ``torch.frombuffer`` (a name SGLang's unpickler allows)."""
+
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    class PayloadPickler(ForkingPickler):
+        """ForkingPickler (CUDA IPC for CUDA tensors) that writes CPU tensors by value."""
+
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+                t = obj.detach().contiguous()
+                if t.numel() == 0:
+                    return functools.partial(torch.empty, dtype=t.dtype), (tuple(t.shape),)
+                return torch.reshape, (FlatBytes(t), tuple(t.shape))
+            if isinstance(obj, FlatBytes):
+                # Through a copy: exporting the trainer's own storage to numpy
+                # would make it unresizable, and a memory saver frees by resizing.
+                data = bytearray(obj.t.reshape(-1).view(torch.uint8).clone().numpy().tobytes())
+                return functools.partial(torch.frombuffer, dtype=obj.t.dtype), (data,)
+            return NotImplemented
+
+    return PayloadPickler
+
+
+class _PayloadPickler:
+    """Builds the pickler class on first use, so importing this module does not import torch."""
+
+    _cls: type | None = None
+
+    def __new__(cls, buf: io.BytesIO) -> Any:
+        if cls._cls is None:
+            cls._cls = _payload_pickler()
+        return cls._cls(buf)
+
+
+def flattened_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """The ``flattened_bucket`` payload: one flat uint8 tensor and SGLang's metadata for each tensor.
+
+    The metadata objects must be SGLang's own class (the engine's unpickler
+    allows ``sglang.srt.weight_sync.tensor_bucket`` and refuses others), so
+    sglang must be importable here. Flattening copies the bucket once, on the
+    tensors' device: the trainer's own storage is never shared.
+    """
+    bucket_class = flattened_bucket_class()
+    devices = {t.device for _, t in named}
+    if len(devices) > 1:
+        raise ConfigError(
+            [f"a flattened bucket needs its tensors on one device, got {sorted(map(str, devices))}"],
+            "load_format='flattened_bucket'",
+        )
+    bucket = bucket_class(named_tensors=[(n, t.detach().contiguous()) for n, t in named])
+    return {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+
+
+def flattened_bucket_class() -> Any:
+    """SGLang's ``FlattenedTensorBucket``; ``MissingDependencyError`` when sglang is not importable."""
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    except ImportError as exc:
+        raise MissingDependencyError(
+            package="sglang", extra=None, needed_for="load_format='flattened_bucket' (SGLang's bucket metadata)"
+        ) from exc
+    return FlattenedTensorBucket
+
+
+def parse_checksums(engine: str, body: Any) -> EngineChecksums:
+    """``/weights_checker`` ``action=checksum``: ``{"ranks": [{"checksums", "per_gpu_checksum"}], ...}``."""
+    ranks = body.get("ranks") if isinstance(body, Mapping) else None
+    if not isinstance(ranks, list) or not ranks:
+        raise EngineRequestError(
+            engine=engine, op="weights_checker(checksum)", status=200, message=f"no per-rank checksums in {body!r:.300}"
+        )
+    try:
+        return EngineChecksums(
+            ranks=tuple({str(k): str(v) for k, v in r["checksums"].items()} for r in ranks),
+            per_rank=tuple(str(r["per_gpu_checksum"]) for r in ranks),
+            per_engine=None if body.get("per_engine_checksum") is None else str(body["per_engine_checksum"]),
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise EngineRequestError(
+            engine=engine, op="weights_checker(checksum)", status=200, message=f"unexpected rank entry: {exc!r}"
+        ) from exc
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -235,6 +378,49 @@ class HttpTransport:
             raise EngineRequestError(engine=self.name, op=op, status=response.status_code, message=message)
         return data
 
+    def probe(self) -> EngineCapabilities:
+        """The version from ``/server_info`` (``/get_server_info`` before it); routes by their status.
+
+        A route is probed with ``OPTIONS``, which no SGLang route accepts:
+        FastAPI answers 405 for a route that exists and 404 for one that does
+        not, and nothing runs. So the probe opens no session and computes no
+        checksum.
+        """
+        return EngineCapabilities(
+            version=self._server_version(),
+            sessions=self._has_route("/begin_weight_update"),
+            weights_checker=self._has_route("/weights_checker"),
+        )
+
+    def _server_version(self) -> str | None:
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                info = self._get("server_info", path)
+            except EngineRequestError as exc:
+                if exc.status == 404:
+                    continue
+                raise
+            value = info.get("version") if isinstance(info, Mapping) else None
+            return None if value is None else str(value)
+        return None
+
+    def _has_route(self, path: str) -> bool:
+        try:
+            response = self._client.request("OPTIONS", path)
+        except self._httpx.HTTPError as exc:
+            raise self._no_response(f"probe {path}", exc) from exc
+        if response.status_code == 404:
+            return False
+        if response.status_code == 405:
+            return True
+        raise EngineRequestError(
+            engine=self.name,
+            op=f"probe {path}",
+            status=response.status_code,
+            message="expected 404 (no such route) or 405 (route exists, OPTIONS not allowed): "
+            + _error_message(response),
+        )
+
     def release(self, tags: Sequence[str]) -> None:
         self._post(f"release_memory_occupation({','.join(tags)})", "/release_memory_occupation", {"tags": list(tags)})
 
@@ -244,8 +430,13 @@ class HttpTransport:
     def begin_update(self) -> None:
         self._post("begin_weight_update", "/begin_weight_update", {"selector": "all"}, session=True)
 
-    def end_update(self) -> None:
-        self._post("end_weight_update", "/end_weight_update", {}, session=True)
+    def end_update(self, *, abort: bool = False) -> None:
+        op = "end_weight_update(abort)" if abort else "end_weight_update"
+        self._post(op, "/end_weight_update", {"abort": True} if abort else {}, session=True)
+
+    def checksums(self) -> EngineChecksums:
+        body = self._post("weights_checker(checksum)", "/weights_checker", {"action": "checksum"})
+        return parse_checksums(self.name, body)
 
     def update_from_tensor(
         self,
@@ -259,7 +450,7 @@ class HttpTransport:
         # One payload per TP rank; each is serialized on its own because a CPU
         # tensor's shared-memory handle can be opened only once.
         body = {
-            "serialized_named_tensors": [serialize_named_tensors(named) for _ in range(tp_size)],
+            "serialized_named_tensors": [serialize_named_tensors(named, load_format) for _ in range(tp_size)],
             "load_format": load_format,
             "flush_cache": flush_cache,
             "abort_all_requests": False,
@@ -349,6 +540,8 @@ class EngineTransport:
 
     The Engine cannot set a weight version (stack-facts), so the driver keeps
     the version of the last completed push for it (``sets_version`` False).
+    Sessions are used when the Engine has ``begin_weight_update``; the Engine
+    (0.5.17) has no checksum call, so pushes to it are not checksum-verified.
     """
 
     sets_version = False
@@ -391,6 +584,18 @@ class EngineTransport:
             raise EngineRequestError(engine=self.name, op=op, status=None, message=message)
         return result
 
+    def probe(self) -> EngineCapabilities:
+        version = None
+        if callable(getattr(self._engine, "get_server_info", None)):
+            info = self._call("get_server_info", self._engine.get_server_info)
+            value = info.get("version") if isinstance(info, Mapping) else None
+            version = None if value is None else str(value)
+        return EngineCapabilities(
+            version=version,
+            sessions=callable(getattr(self._engine, "begin_weight_update", None)),
+            weights_checker=False,
+        )
+
     def release(self, tags: Sequence[str]) -> None:
         self._call(
             f"release_memory_occupation({','.join(tags)})", lambda: self._engine.release_memory_occupation(list(tags))
@@ -404,8 +609,16 @@ class EngineTransport:
     def begin_update(self) -> None:
         self._call("begin_weight_update", lambda: self._engine.begin_weight_update(selector="all"), session=True)
 
-    def end_update(self) -> None:
-        self._call("end_weight_update", lambda: self._engine.end_weight_update(), session=True)
+    def end_update(self, *, abort: bool = False) -> None:
+        if abort:
+            self._call("end_weight_update(abort)", lambda: self._engine.end_weight_update(abort=True), session=True)
+        else:
+            self._call("end_weight_update", lambda: self._engine.end_weight_update(), session=True)
+
+    def checksums(self) -> EngineChecksums:
+        raise EngineRequestError(
+            engine=self.name, op="weights_checker(checksum)", status=None, message="the offline Engine has no checksum call"
+        )
 
     def update_from_tensor(
         self,
@@ -416,12 +629,14 @@ class EngineTransport:
         flush_cache: bool,
         weight_version: str | None,
     ) -> None:
-        # The Engine serializes one payload per TP rank itself.
+        # The Engine serializes one payload per TP rank itself, except a
+        # flattened bucket, which it takes already serialized, one per rank.
+        payload: Any = list(named)
+        if load_format == "flattened_bucket":
+            payload = [serialize_named_tensors(named, load_format) for _ in range(tp_size)]
         self._call(
             "update_weights_from_tensor",
-            lambda: self._engine.update_weights_from_tensor(
-                list(named), load_format=load_format, flush_cache=flush_cache
-            ),
+            lambda: self._engine.update_weights_from_tensor(payload, load_format=load_format, flush_cache=flush_cache),
         )
 
     def init_group(

@@ -73,6 +73,7 @@ _EXPORTS = {
     "Trigger": "miles_fsm.states",
     "VerificationError": "miles_fsm.states.errors",
     "VerifyConfig": "miles_fsm.config",
+    "WeightChecksumError": "miles_fsm.drivers.errors",
     "WeightVersionError": "miles_fsm.states.errors",
 }
 
@@ -106,6 +107,7 @@ if TYPE_CHECKING:
         IneligibleModelError,
         MissingDependencyError,
         ResumeMemoryError,
+        WeightChecksumError,
     )
     from miles_fsm.errors import (  # noqa: F401
         ConfigError,

@@ -108,7 +108,7 @@ class EngineDriver(Protocol):
         ...
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, version: str) -> StepReport | None:
-        """Push weights inside one begin/end update session, then set ``version``."""
+        """Push weights (inside one begin/end update session where the engine has them), then set ``version``."""
         ...
 
     def weight_version(self) -> str | None:

@@ -1,32 +1,51 @@
 """A protocol-faithful SGLang test server, over real HTTP on a free loopback port.
 
-It implements the endpoints and rules of ``../shared/notes/stack-facts.md``
-(SGLang 0.5.23), the failure behaviours included, so that the driver can be
-tested without SGLang (which cannot be installed here):
+It implements the endpoints and rules SGLang's engine enforces, its failure
+behaviours included, so that the driver can be tested without SGLang (which
+cannot be installed on the CPU machines). The rules come from SGLang's
+sources (``../shared/notes/stack-facts.md``, and 0.5.17's own code in
+``../shared/sglang-h200``), and those of 0.5.17 were checked against a real
+0.5.17 server on an H200 (``benchmarks/results/sglang_h200.json``,
+``docs/sglang.md``); where SGLang and this server differed, this server was
+changed to do what SGLang does:
 
-- errors come back as 400 ``{"error": {"message"}}`` (memory calls) or 400
-  ``{"success": false, "message"}`` (update calls), as SGLang sends them;
-- release needs an idle scheduler (no running requests);
-- a double release reaches torch_memory_saver's double pause, which kills the
-  scheduler: the server drops the connection and stops serving for good;
-- resuming a tag that was never released fails (SGLang raises ``KeyError``);
+- two protocol generations: with sessions (0.5.21 and later, the default)
+  and without (``sessions=False``, ``version="0.5.17"``), where
+  ``/begin_weight_update`` and ``/end_weight_update`` answer 404 and updates
+  need no session;
+- routes answer 405 to a method they do not take and 404 when they do not
+  exist (FastAPI), which is how the driver probes them (``OPTIONS``);
+- memory errors come back as 400 ``{"error": {"message"}}``, update errors as
+  400 ``{"success": false, "message"}``, a refused flush as 400 text;
+- a double release, a resume of a tag that is not released, and a release
+  while requests run or wait each kill the scheduler (0.5.17: a
+  torch_memory_saver exit, a ``KeyError``, an ``AssertionError``, each
+  raised in the scheduler, which takes the server down): the server drops
+  the connection and stops serving for good;
 - after a weights resume the weights are garbage (NaN) unless the server was
   started with weights CPU backup;
-- updates fail outside a begin/end session; a second begin, or an end with no
-  session, answers ``success=False``;
-- ``/flush_cache`` answers 400 while requests run or wait in the queue;
+- with sessions, updates fail outside a begin/end session; a second begin,
+  or an end with no session, answers ``success=False``; an end may carry
+  ``abort``;
+- ``/flush_cache`` answers 400 while requests run or wait in the queue
+  (retracted ones included);
 - ``weight_version`` is read with ``/model_info`` and set with a push or
-  ``/update_weight_version``.
+  ``/update_weight_version``, which aborts running requests unless told not to;
+- ``/server_info`` reports the version; ``/weights_checker`` with
+  ``action=checksum`` reports a checksum per stored weight per TP rank.
 
 Pushed tensors are really deserialized (SGLang's ForkingPickler + base64
-format) or really received over a gloo broadcast group, and kept, so tests
-compare them with the trainer's weights. ``FakeEngine`` exposes the same
-rules through the offline ``sglang.Engine`` method names.
+format, through an allow-list unpickler like SGLang's, and the
+``flattened_bucket`` format) or really received over a gloo broadcast group,
+and kept, so tests compare them with the trainer's weights. ``FakeEngine``
+exposes the same rules through the offline ``sglang.Engine`` method names.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import io
 import json
 import pickle
 import threading
@@ -40,10 +59,87 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing  # noqa: F401  (torch's reductions, to unpickle shared tensors)
 
-__all__ = ["FakeEngine", "ProtocolError", "SGLangProtocol", "SGLangTestServer", "ServerDied", "serve"]
+__all__ = [
+    "FakeEngine",
+    "FakeEngineWithoutSessions",
+    "ProtocolError",
+    "SGLangProtocol",
+    "SGLangTestServer",
+    "ServerDied",
+    "serve",
+]
 
 TAGS = ("kv_cache", "weights", "cuda_graph")
 RESUME_ORDER = ("cuda_graph", "weights", "kv_cache")
+
+#: Path -> the HTTP methods its route takes (SGLang 0.5.17's http_server.py; the
+#: session routes are 0.5.21's). Anything else is a 405, an unknown path a 404.
+ROUTES = {
+    "/release_memory_occupation": ("GET", "POST"),
+    "/resume_memory_occupation": ("GET", "POST"),
+    "/begin_weight_update": ("POST",),
+    "/end_weight_update": ("POST",),
+    "/update_weights_from_tensor": ("POST",),
+    "/init_weights_update_group": ("POST",),
+    "/update_weights_from_distributed": ("POST",),
+    "/destroy_weights_update_group": ("POST",),
+    "/update_weight_version": ("POST",),
+    "/flush_cache": ("GET", "POST"),
+    "/pause_generation": ("POST",),
+    "/continue_generation": ("POST",),
+    "/model_info": ("GET",),
+    "/server_info": ("GET",),
+    "/get_server_info": ("GET",),
+    "/weights_checker": ("GET", "POST"),
+}
+SESSION_ROUTES = ("/begin_weight_update", "/end_weight_update")
+
+#: Module prefixes SGLang's unpickler accepts in a pushed payload (0.5.17, SafeUnpickler);
+#: a payload that needs anything else is refused there, so it is refused here too.
+ALLOWED_PICKLE_MODULES = (
+    "builtins.",
+    "collections.",
+    "copyreg.",
+    "functools.",
+    "torch.",
+    "multiprocessing.resource_sharer.",
+    "multiprocessing.reduction.",
+    "sglang.srt.weight_sync.tensor_bucket.",
+)
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not any((module + ".").startswith(p) for p in ALLOWED_PICKLE_MODULES):
+            raise ProtocolError(f"Blocked unsafe class loading ({module}.{name})", kind="update")
+        return super().find_class(module, name)
+
+
+def _unpickle(payload: str | bytes) -> Any:
+    raw = base64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
+    return _AllowListUnpickler(io.BytesIO(raw)).load()
+
+
+def _named_from(obj: Any, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of one rank's payload: a list of (name, tensor), or a flattened bucket."""
+    if load_format != "flattened_bucket":
+        return list(obj)
+    flat = obj["flattened_tensor"]
+    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in obj["metadata"]]
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """SGLang's tensor hash on its CPU path: the first 8 bytes of SHA256 of the bytes, as 16 hex digits."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).digest()[:8].hex()
+
+
+def _rank_digest(checksums: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(checksums):
+        h.update(name.encode())
+        h.update(checksums[name].encode())
+    return h.hexdigest()
 
 
 class ProtocolError(Exception):
@@ -63,10 +159,22 @@ class ServerDied(Exception):
 class SGLangProtocol:
     """The engine's state and rules, shared by the HTTP server and ``FakeEngine``."""
 
-    def __init__(self, *, tp_size: int = 1, weights_cpu_backup: bool = False, group_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        tp_size: int = 1,
+        weights_cpu_backup: bool = False,
+        group_timeout_s: float = 10.0,
+        sessions: bool = True,
+        version: str = "0.5.23",
+        weights_checker: bool = True,
+    ) -> None:
         self.tp_size = tp_size
         self.weights_cpu_backup = weights_cpu_backup
         self.group_timeout_s = group_timeout_s
+        self.sessions = sessions
+        self.sglang_version = version
+        self.weights_checker = weights_checker
         self.lock = threading.Lock()
         self.alive = True
         self.released: set[str] = set()
@@ -78,9 +186,13 @@ class SGLangProtocol:
         self.paused_mode: str | None = None
         self.groups: dict[str, list[Any]] = {}
         self.calls: list[str] = []
-        #: Test hooks: fail the n-th call of an op (1-based) with (n, message[, status]); drop pushed versions.
+        self.aborted_sessions = 0
+        self.death: str | None = None
+        #: Test hooks: fail the n-th call of an op (1-based) with (n, message[, status]); drop pushed
+        #: versions; drop pushed tensors of these names silently (a loader that skips a name).
         self.fail_at: dict[str, tuple[Any, ...]] = {}
         self.drop_weight_version = False
+        self.ignore_names: set[str] = set()
         self._counts: dict[str, int] = {}
 
     # ------------------------------------------------------------ helpers
@@ -95,8 +207,15 @@ class SGLangProtocol:
             status = hit[2] if len(hit) > 2 else 400
             raise ProtocolError(hit[1], kind="update" if op.startswith("update") else "error", status=status)
 
+    def _die(self, why: str) -> ServerDied:
+        # An exception in SGLang's scheduler, or torch_memory_saver's exit(1),
+        # takes the whole server down: nothing answers any more.
+        self.alive = False
+        self.death = why
+        return ServerDied(why)
+
     def _need_session(self, op: str) -> None:
-        if not self.session_open:
+        if self.sessions and not self.session_open:
             raise ProtocolError(
                 f"{op} must run inside a weight update session (begin_weight_update first)", kind="update"
             )
@@ -113,7 +232,8 @@ class SGLangProtocol:
 
     def _store(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         for name, t in named:
-            self.weights[name] = t.detach().clone()
+            if name not in self.ignore_names:
+                self.weights[name] = t.detach().clone()
         if version is not None and not self.drop_weight_version:
             self.version = version
 
@@ -123,13 +243,13 @@ class SGLangProtocol:
         with self.lock:
             self._enter("release_memory_occupation")
             tags = self._tags(tags)
-            if self.running:
-                raise ProtocolError("release_memory_occupation needs an idle scheduler; requests are running")
+            if self.running or self.queued:
+                # SGLang asserts an idle scheduler; the AssertionError kills it.
+                raise self._die("release_memory_occupation should be called only when server is idle")
             for tag in tags:
                 if tag in self.released:
                     # torch_memory_saver pauses paused memory: exit(1) in the scheduler.
-                    self.alive = False
-                    raise ServerDied(f"double release of {tag!r}")
+                    raise self._die(f"double release of {tag!r}")
                 self.released.add(tag)
 
     def resume(self, tags: list[str] | None) -> None:
@@ -138,7 +258,9 @@ class SGLangProtocol:
             tags = self._tags(tags) if tags else [t for t in TAGS if t in self.released]
             for tag in sorted(tags, key=RESUME_ORDER.index):
                 if tag not in self.released:
-                    raise ProtocolError(f"KeyError: {tag!r}")
+                    # SGLang removes the tag from its set of released tags first: the
+                    # KeyError is raised in the scheduler and kills it.
+                    raise self._die(f"KeyError: {tag!r}")
                 self.released.discard(tag)
                 if tag == "weights" and not self.weights_cpu_backup:
                     for w in self.weights.values():
@@ -154,17 +276,21 @@ class SGLangProtocol:
             self.session_open = True
             return True, "session opened"
 
-    def end(self) -> tuple[bool, str]:
+    def end(self, *, abort: bool = False) -> tuple[bool, str]:
         with self.lock:
             self._enter("end_weight_update")
             if not self.session_open:
                 return False, "no weight update session is open"
             self.session_open = False
-            return True, "session ended"
+            if abort:
+                self.aborted_sessions += 1
+            return True, "session aborted" if abort else "session ended"
 
     # ------------------------------------------------------------ updates
 
-    def update_from_tensor(self, payloads: list[str | bytes], *, weight_version: str | None) -> None:
+    def update_from_tensor(
+        self, payloads: list[str | bytes], *, weight_version: str | None, load_format: str | None = None
+    ) -> None:
         with self.lock:
             self._enter("update_weights_from_tensor")
             self._need_session("update_weights_from_tensor")
@@ -172,7 +298,7 @@ class SGLangProtocol:
                 raise ProtocolError(
                     f"expected {self.tp_size} serialized payloads (one per TP rank), got {len(payloads)}", kind="update"
                 )
-            ranks = [pickle.loads(base64.b64decode(p)) if isinstance(p, str) else p for p in payloads]
+            ranks = [_named_from(_unpickle(p), load_format) for p in payloads]
             if any([n for n, _ in r] != [n for n, _ in ranks[0]] for r in ranks):
                 raise ProtocolError("TP ranks received different tensors", kind="update")
             self._store(ranks[0], weight_version)
@@ -242,7 +368,7 @@ class SGLangProtocol:
             if self.groups.pop(group_name, None) is None:
                 raise ProtocolError(f"no weight update group {group_name!r}", kind="update")
 
-    def set_version(self, version: str, abort_all_requests: bool = False) -> None:
+    def set_version(self, version: str, abort_all_requests: bool = True) -> None:
         with self.lock:
             self._enter("update_weight_version")
             if abort_all_requests:
@@ -255,11 +381,8 @@ class SGLangProtocol:
         with self.lock:
             self._enter("flush_cache")
             if self.running or self.queued:
-                raise ProtocolError(
-                    f"Cache not flushed because there are pending requests. #queue-req: {self.queued}, "
-                    f"#running-req: {self.running}",
-                    kind="text",
-                )
+                # SGLang logs why; the answer only says it failed.
+                raise ProtocolError("Flush cache failed.\n", kind="text")
 
     def pause_generation(self, mode: str) -> None:
         with self.lock:
@@ -283,7 +406,40 @@ class SGLangProtocol:
     def model_info(self) -> dict[str, Any]:
         with self.lock:
             self._enter("model_info")
-            return {"model_path": "dummy", "is_generation": True, "weight_version": self.version}
+            return {
+                "model_path": "dummy",
+                "tokenizer_path": None,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+            }
+
+    def server_info(self) -> dict[str, Any]:
+        with self.lock:
+            self._enter("server_info")
+            return {"version": self.sglang_version, "tp_size": self.tp_size}
+
+    def checksums(self, action: str) -> dict[str, Any]:
+        """``/weights_checker``: one checksum per stored weight, the same on every TP rank here."""
+        with self.lock:
+            self._enter("weights_checker")
+            if action != "checksum":
+                raise ProtocolError(f"Unsupported action={action!r}", kind="update")
+            sums = {name: tensor_checksum(t) for name, t in self.weights.items()}
+            ranks = [
+                {
+                    "checksums": dict(sums),
+                    "per_gpu_checksum": _rank_digest(sums),
+                    "parallelism_info": {"tp_rank": r, "tp_size": self.tp_size},
+                }
+                for r in range(self.tp_size)
+            ]
+            engine = hashlib.sha256("".join(r["per_gpu_checksum"] for r in ranks).encode()).hexdigest()
+            return {"success": True, "message": "Success.", "ranks": ranks, "per_engine_checksum": engine}
 
 
 def _run_all(fn: Any, n: int) -> None:
@@ -330,62 +486,35 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
-        self._dispatch({})
+        self._dispatch("GET", {})
 
     def do_POST(self) -> None:
-        self._dispatch(self._body())
+        self._dispatch("POST", self._body())
 
-    def _dispatch(self, body: dict[str, Any]) -> None:
+    def do_OPTIONS(self) -> None:
+        self._dispatch("OPTIONS", {})
+
+    def _route_exists(self, path: str) -> bool:
+        proto = self.server.protocol
+        if path in SESSION_ROUTES:
+            return proto.sessions
+        if path == "/weights_checker":
+            return proto.weights_checker
+        return path in ROUTES
+
+    def _dispatch(self, method: str, body: dict[str, Any]) -> None:
         proto = self.server.protocol
         path = self.path.split("?", 1)[0]
-        ok = {"success": True, "message": "Succeeded"}
         try:
             if not proto.alive:
                 raise ServerDied(path)
-            if path == "/release_memory_occupation":
-                proto.release(body.get("tags"))
-                self._send(200, ok)
-            elif path == "/resume_memory_occupation":
-                proto.resume(body.get("tags"))
-                self._send(200, ok)
-            elif path in ("/begin_weight_update", "/end_weight_update"):
-                success, message = proto.begin() if path == "/begin_weight_update" else proto.end()
-                self._send(200, {"success": success, "message": message})
-            elif path == "/update_weights_from_tensor":
-                proto.update_from_tensor(body["serialized_named_tensors"], weight_version=body.get("weight_version"))
-                self._send(200, ok)
-            elif path == "/init_weights_update_group":
-                keys = ("master_address", "master_port", "rank_offset", "world_size", "group_name")
-                proto.init_group(**{k: body[k] for k in keys}, backend=body.get("backend", "nccl"))
-                self._send(200, ok)
-            elif path == "/update_weights_from_distributed":
-                proto.update_from_distributed(
-                    names=body["names"],
-                    dtypes=body["dtypes"],
-                    shapes=body["shapes"],
-                    group_name=body["group_name"],
-                    weight_version=body.get("weight_version"),
-                )
-                self._send(200, ok)
-            elif path == "/destroy_weights_update_group":
-                proto.destroy_group(body["group_name"])
-                self._send(200, ok)
-            elif path == "/update_weight_version":
-                proto.set_version(str(body["new_version"]), bool(body.get("abort_all_requests", False)))
-                self._send(200, ok)
-            elif path == "/flush_cache":
-                proto.flush_cache()
-                self._send(200, "Cache flushed.")
-            elif path == "/pause_generation":
-                proto.pause_generation(body.get("mode", "abort"))
-                self._send(200, ok)
-            elif path == "/continue_generation":
-                proto.continue_generation()
-                self._send(200, ok)
-            elif path == "/model_info":
-                self._send(200, proto.model_info())
-            else:
+            if not self._route_exists(path):
                 self._send(404, {"detail": "Not Found"})
+                return
+            if method not in ROUTES[path]:
+                self._send(405, {"detail": "Method Not Allowed"})
+                return
+            self._send(200, self._call(proto, path, body))
         except ProtocolError as exc:
             if exc.kind == "update":
                 self._send(exc.status, {"success": False, "message": exc.message})
@@ -397,6 +526,69 @@ class _Handler(BaseHTTPRequestHandler):
             # The scheduler is gone: no answer, and the server stops serving.
             self.close_connection = True
             self.server.die()
+
+    @staticmethod
+    def _call(proto: SGLangProtocol, path: str, body: dict[str, Any]) -> Any:
+        """One request's answer body, as SGLang 0.5.17 shapes it."""
+        ok = {"success": True, "message": "Success"}
+        if path == "/release_memory_occupation":
+            proto.release(body.get("tags"))
+            return None  # the endpoint returns nothing: a JSON null
+        if path == "/resume_memory_occupation":
+            proto.resume(body.get("tags"))
+            return None
+        if path in SESSION_ROUTES:
+            if path == "/begin_weight_update":
+                success, message = proto.begin()
+            else:
+                success, message = proto.end(abort=bool(body.get("abort", False)))
+            return {"success": success, "message": message}
+        if path == "/update_weights_from_tensor":
+            proto.update_from_tensor(
+                body["serialized_named_tensors"],
+                weight_version=body.get("weight_version"),
+                load_format=body.get("load_format"),
+            )
+            return ok
+        if path == "/init_weights_update_group":
+            keys = ("master_address", "master_port", "rank_offset", "world_size", "group_name")
+            proto.init_group(**{k: body[k] for k in keys}, backend=body.get("backend", "nccl"))
+            return ok
+        if path == "/update_weights_from_distributed":
+            proto.update_from_distributed(
+                names=body["names"],
+                dtypes=body["dtypes"],
+                shapes=body["shapes"],
+                group_name=body["group_name"],
+                weight_version=body.get("weight_version"),
+            )
+            return ok
+        if path == "/destroy_weights_update_group":
+            proto.destroy_group(body["group_name"])
+            return ok
+        if path == "/update_weight_version":
+            version = str(body["new_version"])
+            proto.set_version(version, bool(body.get("abort_all_requests", True)))
+            return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        if path == "/flush_cache":
+            proto.flush_cache()
+            return (
+                "Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n"
+            )
+        if path == "/pause_generation":
+            proto.pause_generation(body.get("mode", "abort"))
+            return {"message": "Generation paused successfully.", "status": "ok"}
+        if path == "/continue_generation":
+            proto.continue_generation()
+            return {"message": "Generation continued successfully.", "status": "ok"}
+        if path == "/model_info":
+            return proto.model_info()
+        if path in ("/server_info", "/get_server_info"):
+            return proto.server_info()
+        if path == "/weights_checker":
+            return proto.checksums(body.get("action", "checksum"))
+        raise AssertionError(f"a route without a handler: {path}")
 
 
 class SGLangTestServer(ThreadingHTTPServer):
@@ -451,7 +643,12 @@ def serve(**protocol_kwargs: Any) -> Iterator[SGLangTestServer]:
 
 
 class FakeEngine:
-    """The offline ``sglang.Engine`` method names over the same rules (for the Engine transport)."""
+    """The offline ``sglang.Engine`` method names over the same rules (for the Engine transport).
+
+    With the default ``sessions=True`` it has ``begin_weight_update`` /
+    ``end_weight_update``; ``FakeEngineWithoutSessions`` is 0.5.17's Engine,
+    which has neither.
+    """
 
     def __init__(self, **protocol_kwargs: Any) -> None:
         self.protocol = SGLangProtocol(**protocol_kwargs)
@@ -462,8 +659,6 @@ class FakeEngine:
         except ServerDied as exc:
             raise RuntimeError(f"the scheduler died ({exc})") from exc
         except ProtocolError as exc:
-            if exc.message.startswith("KeyError"):
-                raise KeyError(exc.message) from exc
             if exc.kind == "update":
                 return False, exc.message
             raise RuntimeError(exc.message) from exc
@@ -477,17 +672,34 @@ class FakeEngine:
     def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
         return self._do(self.protocol.begin)
 
-    def end_weight_update(self) -> tuple[bool, str]:
-        return self._do(self.protocol.end)
+    def end_weight_update(self, abort: bool = False) -> tuple[bool, str]:
+        return self._do(self.protocol.end, abort=abort)
 
     def update_weights_from_tensor(
-        self, named_tensors: list[tuple[str, torch.Tensor]], load_format: str | None = None, flush_cache: bool = True
+        self, named_tensors: list[Any], load_format: str | None = None, flush_cache: bool = True
     ) -> tuple[bool, str]:
-        result = self._do(self.protocol.update_from_named, named_tensors)
-        return result if result is not None else (True, "Succeeded")
+        if load_format == "flattened_bucket":
+            # The Engine takes a flattened bucket already serialized, one payload per TP rank.
+            result = self._do(self.protocol.update_from_tensor, named_tensors, weight_version=None, load_format=load_format)
+        else:
+            result = self._do(self.protocol.update_from_named, named_tensors)
+        return result if result is not None else (True, "Success")
 
     def flush_cache(self) -> None:
         self._do(self.protocol.flush_cache)
 
     def get_model_info(self) -> dict[str, Any]:
         return self._do(self.protocol.model_info)
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._do(self.protocol.server_info)
+
+
+class FakeEngineWithoutSessions(FakeEngine):
+    """0.5.17's offline Engine: no weight-update sessions, updates work without one."""
+
+    begin_weight_update = None  # type: ignore[assignment]
+    end_weight_update = None  # type: ignore[assignment]
+
+    def __init__(self, **protocol_kwargs: Any) -> None:
+        super().__init__(**{"sessions": False, "version": "0.5.17", **protocol_kwargs})

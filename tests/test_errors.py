@@ -41,6 +41,7 @@ SAMPLES = [
     driver_errors.HostCopyMissingError(tag="ref", held=["actor"]),
     driver_errors.BufferRoutingError(buffer="param_data", expected=["param_buffer"], detail="not routed"),
     driver_errors.ResumeMemoryError(owner="tms", tag="default", needed=10, free=1),
+    driver_errors.WeightChecksumError(engine="e0", against="the pushed tensors", mismatched=["w"], missing=["b"]),
     app_errors.FaultLocatedError(rank=0, culprits=[1], evidence="its pid is gone", cause="PeerLostError"),
 ]
 

@@ -1,9 +1,11 @@
 """The SGLang engine driver against the protocol test server, over real HTTP on loopback.
 
-Nothing here ran against real SGLang (it cannot be installed on these
-machines): ``tests/sglang_server.py`` enforces the protocol rules of
-``../shared/notes/stack-facts.md``, and these tests pin down that the driver
-respects them and turns every violation into the project's own error.
+SGLang cannot be installed on the CPU machines: ``tests/sglang_server.py``
+enforces the protocol rules SGLang's sources state, in both protocol
+generations (with weight-update sessions, 0.5.21+; without, 0.5.17), and
+these tests pin down that the driver respects them and turns every violation
+into the project's own error. ``tests/test_sglang_gpu.py`` checks the rules
+where misuse kills the engine against real SGLang 0.5.17.
 """
 
 from __future__ import annotations
@@ -18,20 +20,26 @@ from miles_fsm.config import LifecycleConfig, VerifyConfig
 from miles_fsm.drivers.reference import ReferenceTrainer, TrainerConfig
 from miles_fsm.drivers.sglang import (
     DistributedConfig,
+    EngineCapabilities,
     HttpConfig,
     HttpTransport,
     SGLangConfig,
     SGLangEngineDriver,
     buckets,
 )
-from miles_fsm.drivers.errors import EngineRequestError, EngineSessionError, EngineUpdateError
-from miles_fsm.drivers.errors import MissingDependencyError
+from miles_fsm.drivers.errors import (
+    EngineRequestError,
+    EngineSessionError,
+    EngineUpdateError,
+    MissingDependencyError,
+    WeightChecksumError,
+)
 from miles_fsm.errors import ConfigError
 from miles_fsm.states.errors import MemoryTagError, WeightVersionError
 from miles_fsm.states.lifecycle import Lifecycle
 from miles_fsm.testing import run_cycles
 from miles_fsm.states import Side, State, Strategy
-from sglang_server import FakeEngine, serve
+from sglang_server import FakeEngine, FakeEngineWithoutSessions, serve, tensor_checksum
 from toy import ToyTrainer
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,6 +56,13 @@ def server():
 def two_servers():
     with serve() as a, serve() as b:
         yield a, b
+
+
+@pytest.fixture
+def old_server():
+    """SGLang 0.5.17's protocol: no weight-update sessions."""
+    with serve(sessions=False, version="0.5.17") as s:
+        yield s
 
 
 def _lifecycle(trainer, driver) -> Lifecycle:
@@ -73,6 +88,7 @@ def test_full_cycles_with_toy_trainer_over_http(server):
     lc.start()
     assert server.protocol.released == {"weights", "kv_cache"}
     for epoch in (1, 2, 3):
+        assert server.protocol.paused_mode == "abort"  # no request runs on released memory
         lc.fire("offload")
         lc.fire("pause")
         served = server.protocol.weights
@@ -80,6 +96,7 @@ def test_full_cycles_with_toy_trainer_over_http(server):
         assert _same(served["w"], trainer.master.to(torch.bfloat16))
         assert server.protocol.version == str(epoch)
         assert server.protocol.released == set() and not server.protocol.session_open
+        assert server.protocol.paused_mode is None  # every tag back: generation continued
         for trigger in ("rematerialize", "sync", "resume"):
             lc.fire(trigger)
         assert server.protocol.released == {"weights", "kv_cache"}
@@ -160,7 +177,7 @@ def test_double_release_and_resume_of_active_tag_refused_before_sending(server):
         driver.release_memory("weights")
     with pytest.raises(MemoryTagError, match="not paused"):
         driver.resume_memory("kv_cache")
-    assert server.protocol.calls == ["release_memory_occupation"]
+    assert server.protocol.calls == ["pause_generation", "release_memory_occupation"]
     assert server.serving
     with pytest.raises(ConfigError, match="unknown SGLang memory tag"):
         driver.release_memory("kv")
@@ -193,30 +210,68 @@ def test_double_release_reaching_the_server_kills_it_and_fails_the_rank(server):
     driver.close()
 
 
-def test_resume_of_a_tag_the_server_never_released_is_an_engine_error(server):
-    """The server answers 400 (SGLang's KeyError); the driver raises EngineRequestError and keeps the tag released."""
+def test_resume_of_a_tag_the_server_never_released_kills_it(server):
+    """A resume the server disagrees with kills it (0.5.17: the KeyError is raised in the scheduler).
+
+    The driver sees no answer: EngineRequestError without a status, and it
+    keeps the tag counted released, the side that cannot kill twice.
+    """
     driver = SGLangEngineDriver.http(server.url)
     driver.release_memory("kv_cache")
     server.protocol.resume(["kv_cache"])  # someone else resumed it behind the driver's back
     with pytest.raises(EngineRequestError) as info:
         driver.resume_memory("kv_cache")
-    assert info.value.status == 400 and "KeyError" in info.value.message
+    assert info.value.status is None and "resume_memory_occupation(kv_cache)" in info.value.op
     assert driver.released[server.url] == {"kv_cache"}
-    assert server.serving
+    assert not server.serving and "KeyError" in server.protocol.death
     driver.close()
 
 
-def test_release_needs_an_idle_scheduler(server):
-    """A release while requests run is a 400; the ledger is unchanged and a later release succeeds."""
+def test_release_with_requests_running_aborts_them_first(server):
+    """A release while requests run would kill the scheduler, so the driver pauses with 'abort' first.
+
+    The release then finds an idle scheduler; generation stays paused while
+    the tag is released and continues once it is back.
+    """
     driver = SGLangEngineDriver.http(server.url)
     server.protocol.running = 2
-    with pytest.raises(EngineRequestError, match="idle scheduler") as info:
-        driver.release_memory("kv_cache")
-    assert info.value.status == 400
-    assert driver.released[server.url] == set()
-    server.protocol.running = 0
     driver.release_memory("kv_cache")
-    assert server.protocol.released == {"kv_cache"}
+    assert server.protocol.released == {"kv_cache"} and server.protocol.running == 0
+    assert server.protocol.paused_mode == "abort" and driver.paused == {server.url}
+    driver.resume_memory("kv_cache")
+    assert server.protocol.paused_mode is None and driver.paused == frozenset()
+    assert server.protocol.calls == [
+        "pause_generation",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "continue_generation",
+    ]
+    driver.close()
+
+
+def test_release_with_requests_running_and_generation_left_alone_kills_the_server(server):
+    """With pause_mode=None the driver does not pause: a busy release kills the server, reported without status."""
+    driver = SGLangEngineDriver.http(server.url, config=SGLangConfig(pause_mode=None))
+    server.protocol.running = 1
+    with pytest.raises(EngineRequestError) as info:
+        driver.release_memory("kv_cache")
+    assert info.value.status is None
+    assert not server.serving and "idle" in server.protocol.death
+    driver.close()
+
+
+def test_generation_continues_only_when_every_tag_is_back(server):
+    """Resuming one of two released tags keeps generation paused; the last one continues it."""
+    driver = SGLangEngineDriver.http(server.url)
+    driver.release_memory("weights")
+    driver.release_memory("kv_cache")
+    driver.resume_memory("weights")
+    assert server.protocol.paused_mode == "abort"
+    driver.update_weights([("w", torch.ones(4))], version="1")
+    assert server.protocol.paused_mode == "abort"  # kv_cache is still released
+    driver.resume_memory("kv_cache")
+    assert server.protocol.paused_mode is None
+    assert server.protocol.calls.count("pause_generation") == 1
     driver.close()
 
 
@@ -290,7 +345,9 @@ def test_an_engine_failing_mid_update_is_named_with_its_step(two_servers):
     assert err.closed == (a.url, b.url) and err.left_open == ()
     assert "No weight-update session is left open" in str(err)
     assert not a.protocol.session_open and not b.protocol.session_open
-    assert a.protocol.paused_mode is None and b.protocol.paused_mode is None  # generation continued
+    assert a.protocol.aborted_sessions == b.protocol.aborted_sessions == 1  # ended with abort=True
+    # kv_cache is still released: generation stays paused rather than run on it.
+    assert a.protocol.paused_mode == b.protocol.paused_mode == "abort"
     assert lc.state is State.FAILED and lc.failure.step == "engine.push_weights"
     assert lc.paused_tags[Side.ENGINE] == {"kv_cache"}
     lc.recover(to=State.OFFLOADED)
@@ -358,7 +415,7 @@ def test_flush_cache_while_requests_run_and_pause_around_an_update(server):
     """flush_cache is a 400 while requests run; a push aborts them, flushes, and continues generation."""
     driver = SGLangEngineDriver.http(server.url)
     server.protocol.running = 3
-    with pytest.raises(EngineRequestError, match="pending requests") as info:
+    with pytest.raises(EngineRequestError, match="Flush cache failed") as info:
         driver.flush_cache()
     assert info.value.status == 400
     driver.update_weights([("w", torch.ones(2))], version="1")
@@ -444,3 +501,258 @@ def test_tp_payloads_one_per_rank():
         with pytest.raises(EngineUpdateError, match="one per TP rank"):
             bad.update_weights([("w", torch.arange(4.0))], version="2")
         bad.close()
+
+
+# ------------------------------------------------------------------ capabilities: 0.5.17 and 0.5.21+
+
+
+def test_capabilities_are_probed_once_without_side_effects(server, old_server):
+    """The probe reads the version and finds the routes by OPTIONS (405 = there, 404 = absent).
+
+    It opens no session and computes no checksum, and a second call asks
+    nothing more.
+    """
+    driver = SGLangEngineDriver.http([server.url, old_server.url])
+    caps = driver.capabilities()
+    assert caps[server.url] == EngineCapabilities(version="0.5.23", sessions=True, weights_checker=True)
+    assert caps[old_server.url] == EngineCapabilities(version="0.5.17", sessions=False, weights_checker=True)
+    for s in (server, old_server):
+        assert s.protocol.calls == ["server_info"]
+        assert not s.protocol.session_open
+    driver.capabilities()
+    assert server.protocol.calls == old_server.protocol.calls == ["server_info"]
+    driver.close()
+
+
+def test_full_cycles_without_sessions(old_server):
+    """Against 0.5.17's protocol (404 on the session routes) the push runs without a session, bit-exact."""
+    trainer = ToyTrainer(numel=64)
+    driver = SGLangEngineDriver.http(old_server.url, config=SGLangConfig(bucket_bytes=64))
+    lc = _lifecycle(trainer, driver)
+    lc.start()
+    for epoch in (1, 2):
+        _cycle(lc)
+        assert _same(old_server.protocol.weights["w"], trainer.master.to(torch.bfloat16))
+        assert old_server.protocol.version == str(epoch)
+    calls = old_server.protocol.calls
+    assert "begin_weight_update" not in calls and "end_weight_update" not in calls
+    assert calls.count("update_weights_from_tensor") >= 4
+    assert lc.state is State.TRAINING
+    driver.close()
+
+
+def test_session_routes_are_404_without_sessions(old_server):
+    """Protocol level: 0.5.17 has no /begin_weight_update, and updates work without one."""
+    t = HttpTransport(old_server.url)
+    with pytest.raises(EngineRequestError) as info:
+        t.begin_update()
+    assert info.value.status == 404
+    t.update_from_tensor([("w", torch.ones(2))], tp_size=1, load_format=None, flush_cache=False, weight_version="3")
+    assert t.version() == "3"
+    t.close()
+
+
+def test_one_engine_with_sessions_and_one_without(server, old_server):
+    """A trainer group can feed engines of both generations: a session only where the engine has one."""
+    driver = SGLangEngineDriver.http([server.url, old_server.url])
+    named = [("w", torch.arange(8.0))]
+    driver.update_weights(named, version="5")
+    assert server.protocol.calls.count("begin_weight_update") == 1
+    assert "begin_weight_update" not in old_server.protocol.calls
+    for s in (server, old_server):
+        assert _same(s.protocol.weights["w"], named[0][1]) and s.protocol.version == "5"
+    driver.close()
+
+
+def test_offline_engine_without_sessions_runs_cycles():
+    """0.5.17's offline Engine has no begin/end_weight_update: the driver pushes without them."""
+    engine = FakeEngineWithoutSessions()
+    trainer = ToyTrainer(numel=32)
+    driver = SGLangEngineDriver.offline(engine)
+    assert driver.capabilities()["engine0"] == EngineCapabilities(version="0.5.17", sessions=False, weights_checker=False)
+    lc = _lifecycle(trainer, driver)
+    lc.start()
+    _cycle(lc)
+    assert _same(engine.protocol.weights["w"], trainer.master.to(torch.bfloat16))
+    assert "begin_weight_update" not in engine.protocol.calls
+    driver.close()
+
+
+def test_a_failed_session_is_ended_with_abort(server):
+    """SGLang must be told a session failed: the driver ends it with abort=True, then reports the failure."""
+    server.protocol.fail_at["update_weights_from_tensor"] = (1, "injected")
+    driver = SGLangEngineDriver.http(server.url)
+    with pytest.raises(EngineUpdateError) as info:
+        driver.update_weights([("w", torch.ones(4))], version="1")
+    assert info.value.closed == (server.url,)
+    assert server.protocol.aborted_sessions == 1 and not server.protocol.session_open
+    driver.close()
+
+
+def test_set_version_never_aborts_requests(server):
+    """SGLang's /update_weight_version aborts running requests by default; the driver says not to."""
+    t = HttpTransport(server.url)
+    server.protocol.running = 2
+    t.set_version("9")
+    assert server.protocol.running == 2 and t.version() == "9"
+    httpx.post(f"{server.url}/update_weight_version", json={"new_version": "10"})
+    assert server.protocol.running == 0  # the default the driver avoids
+    t.close()
+
+
+# ------------------------------------------------------------------ checksums
+
+
+def _cpu_checksums(named):
+    """What the test server reports for these weights, one mapping for its one TP rank."""
+    return [{n: tensor_checksum(t) for n, t in named}]
+
+
+def test_push_is_verified_by_the_engines_checksums(server):
+    """With expected checksums, the engine's own checksums are read after the push and must match."""
+    driver = SGLangEngineDriver.http(server.url, config=SGLangConfig(expected_checksums=_cpu_checksums))
+    named = [("w", torch.randn(16)), ("b", torch.randn(4).to(torch.bfloat16))]
+    driver.update_weights(named, version="1")
+    assert server.protocol.calls.count("weights_checker") == 1
+    assert driver.checksums[server.url].ranks == tuple(_cpu_checksums(named))
+    driver.close()
+
+
+def test_a_weight_the_engine_did_not_take_fails_the_push(server):
+    """An engine that silently skips a pushed name (a loader that ignores it) is caught: the name is reported."""
+    server.protocol.ignore_names = {"b"}
+    driver = SGLangEngineDriver.http(server.url, config=SGLangConfig(expected_checksums=_cpu_checksums))
+    with pytest.raises(WeightChecksumError) as info:
+        driver.update_weights([("w", torch.ones(4)), ("b", torch.ones(2))], version="1")
+    assert info.value.engine == server.url and info.value.missing == ("b",) and info.value.mismatched == ()
+    assert "push again" in str(info.value)
+    driver.close()
+
+
+def test_a_weight_that_landed_differently_fails_the_push(server):
+    """A checksum that differs from the expected one names the weight."""
+
+    def expect_other_w(named):
+        sums = _cpu_checksums(named)
+        sums[0]["w"] = tensor_checksum(torch.zeros(4))
+        return sums
+
+    driver = SGLangEngineDriver.http(server.url, config=SGLangConfig(expected_checksums=expect_other_w))
+    with pytest.raises(WeightChecksumError) as info:
+        driver.update_weights([("w", torch.ones(4)), ("b", torch.ones(2))], version="1")
+    assert info.value.mismatched == ("w",) and info.value.missing == ()
+    driver.close()
+
+
+def test_engines_fed_the_same_push_must_agree(two_servers):
+    """Without expected checksums, engines fed the same push are compared: the odd one is named."""
+    a, b = two_servers
+    b.protocol.ignore_names = {"x"}
+    driver = SGLangEngineDriver.http([a.url, b.url])
+    driver.update_weights([("w", torch.ones(4))], version="1")  # both take w: they agree
+    with pytest.raises(WeightChecksumError) as info:
+        driver.update_weights([("w", torch.ones(4)), ("x", torch.ones(3))], version="2")
+    assert info.value.engine == b.url and info.value.against == f"engine {a.url}" and info.value.missing == ("x",)
+    driver.close()
+
+
+def test_no_checksums_without_a_checker_or_when_turned_off():
+    """An engine without /weights_checker (404) is not asked; verify_checksums=False asks none."""
+    with serve(weights_checker=False) as s:
+        driver = SGLangEngineDriver.http(s.url, config=SGLangConfig(expected_checksums=_cpu_checksums))
+        driver.update_weights([("w", torch.ones(4))], version="1")
+        assert "weights_checker" not in s.protocol.calls and driver.checksums == {}
+        driver.close()
+    with serve() as s:
+        driver = SGLangEngineDriver.http(s.url, config=SGLangConfig(verify_checksums=False))
+        driver.update_weights([("w", torch.ones(4))], version="1")
+        assert "weights_checker" not in s.protocol.calls
+        driver.close()
+
+
+# ------------------------------------------------------------------ payload formats
+
+
+@pytest.fixture
+def fake_tensor_bucket(monkeypatch):
+    """SGLang's ``sglang.srt.weight_sync.tensor_bucket``, as far as the flattened format needs it."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class FlattenedTensorMetadata:
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+
+    class FlattenedTensorBucket:
+        def __init__(self, named_tensors):
+            flats, self.metadata, at = [], [], 0
+            for name, t in named_tensors:
+                flat = t.flatten().view(torch.uint8)
+                self.metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, at, at + flat.numel(), flat.numel()))
+                flats.append(flat)
+                at += flat.numel()
+            self.flat = torch.cat(flats)
+
+        def get_flattened_tensor(self):
+            return self.flat
+
+        def get_metadata(self):
+            return self.metadata
+
+    module = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+    FlattenedTensorMetadata.__module__ = module.__name__
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
+    module.FlattenedTensorMetadata = FlattenedTensorMetadata
+    module.FlattenedTensorBucket = FlattenedTensorBucket
+    for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+
+def test_flattened_bucket_push_is_bit_exact(server, fake_tensor_bucket):
+    """load_format='flattened_bucket' sends one flat tensor per bucket; mixed dtypes come back bit-exact."""
+    config = SGLangConfig(load_format="flattened_bucket", bucket_bytes=64, expected_checksums=_cpu_checksums)
+    driver = SGLangEngineDriver.http(server.url, config=config)
+    named = [("a", torch.randn(8)), ("b", torch.randn(3, 5).to(torch.bfloat16)), ("c", torch.arange(40.0))]
+    driver.update_weights(named, version="1")
+    assert all(_same(server.protocol.weights[n], t) for n, t in named)
+    assert server.protocol.calls.count("update_weights_from_tensor") == 2  # a+b (62 B), then c alone
+    driver.close()
+
+
+def test_flattened_bucket_through_the_offline_engine(fake_tensor_bucket):
+    """The offline Engine takes a flattened bucket already serialized, one payload per TP rank."""
+    engine = FakeEngine()
+    driver = SGLangEngineDriver.offline(engine, config=SGLangConfig(load_format="flattened_bucket"))
+    named = [("a", torch.randn(8)), ("b", torch.randn(2).to(torch.bfloat16))]
+    driver.update_weights(named, version="1")
+    assert all(_same(engine.protocol.weights[n], t) for n, t in named)
+    driver.close()
+
+
+def test_flattened_bucket_needs_sglang(server, monkeypatch):
+    """Without sglang importable the flattened format says so, before anything is sent."""
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    driver = SGLangEngineDriver.http(server.url, config=SGLangConfig(load_format="flattened_bucket"))
+    with pytest.raises(MissingDependencyError, match="flattened_bucket"):
+        driver.update_weights([("a", torch.ones(2))], version="1")
+    assert server.protocol.calls == []
+    driver.close()
+
+
+def test_payloads_that_sglang_would_not_unpickle_are_refused(server):
+    """The server unpickles through SGLang's allow-list: a payload holding a numpy array is a 400."""
+    import base64
+    import pickle
+
+    import numpy as np
+
+    payload = base64.b64encode(pickle.dumps([("w", np.ones(2))])).decode()
+    server.protocol.session_open = True  # the refusal must come from the unpickler, not the session rule
+    response = httpx.post(f"{server.url}/update_weights_from_tensor", json={"serialized_named_tensors": [payload]})
+    assert response.status_code == 400 and "Blocked unsafe class loading (numpy" in response.json()["message"]
