@@ -154,6 +154,10 @@ class ReferenceTrainer:
         """Every live weight by name (views, no copies). Refused while ``param_buffer`` is released:
         a read of released memory is a crash on CPU as on a GPU, never data."""
         self._require_resident("read the weights", ("param_buffer",))
+        return self._weight_views()
+
+    def _weight_views(self) -> dict[str, torch.Tensor]:
+        # Names, shapes and dtypes are there whatever the memory state; bytes only while resident.
         return {**self.params, **self.frozen, **self.extras}
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
@@ -252,7 +256,8 @@ class ReferenceTrainer:
         return {**self.weights(), **self.optimizer_state()}
 
     def tensor_set(self) -> TensorSet:
-        return TensorSet.of(self.weights().items())
+        # Metadata only: the plan must not depend on this rank's pause state (the seed's hang).
+        return TensorSet.of(self._weight_views().items())
 
     def collectives(self, step: Step) -> tuple[Collective, ...]:
         if step.kind is StepKind.PARAM_SYNC and self.world > 1:

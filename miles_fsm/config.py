@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from miles_fsm.errors import ConfigError
 
 __all__ = ["GuardConfig", "LifecycleConfig", "VerifyConfig", "ci_mode"]
+
+#: A day: longer is a hang by any measure (and gloo overflows on inf).
+_MAX_TIMEOUT_S = 86400.0
 
 
 def ci_mode() -> bool:
@@ -18,13 +23,41 @@ def ci_mode() -> bool:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GuardConfig:
-    """How long a rank waits at a guard for the others."""
+    """How the ranks agree before a transition, and how long a rank waits for the others.
+
+    ``every_transition``: guard every transition (one all-reduce of two
+    int64 each), so that no rank offloads, pauses or rematerializes on a
+    plan the others do not share, or beside a dead peer. False guards only
+    transitions whose plan declares a collective (cheaper, and blind to a
+    divergence or a lost peer until the next collective).
+
+    ``timeouts``: per-trigger timeouts that replace ``timeout_s`` for that
+    trigger's guard, for a guard that waits on slow peers by design (e.g.
+    ``{"rematerialize": 1800}`` when rollouts vary in length: the ranks
+    reach rematerialize as their generation ends).
+    """
 
     timeout_s: float = 60.0
+    every_transition: bool = True
+    timeouts: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ConfigError([f"guard timeout_s must be > 0, got {self.timeout_s!r}"], "GuardConfig")
+        problems = []
+        for name, value in (("timeout_s", self.timeout_s), *((f"timeouts[{k!r}]", v) for k, v in self.timeouts.items())):
+            if not isinstance(value, (int, float)) or not 0 < value <= _MAX_TIMEOUT_S:
+                problems.append(f"guard {name} must be > 0 and <= {_MAX_TIMEOUT_S:g} s, got {value!r}")
+        if problems:
+            raise ConfigError(problems, "GuardConfig")
+        object.__setattr__(self, "timeouts", MappingProxyType(dict(self.timeouts)))
+
+    def timeout_for(self, trigger: str) -> float:
+        """The guard timeout of ``trigger``."""
+        return self.timeouts.get(trigger, self.timeout_s)
+
+    @property
+    def longest_s(self) -> float:
+        """The longest guard timeout: what the guard's own process group is built with."""
+        return max((self.timeout_s, *self.timeouts.values()))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

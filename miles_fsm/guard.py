@@ -128,8 +128,12 @@ class Guard:
             self._store.set(key, new_run_id())
         return bytes(self._store.get(key)).decode()
 
-    def agree(self, intent: Intent, *, state: str) -> None:
-        """Return when every rank holds the same intent; raise a GuardError otherwise."""
+    def agree(self, intent: Intent, *, state: str, timeout_s: float | None = None) -> None:
+        """Return when every rank holds the same intent; raise a GuardError otherwise.
+
+        ``timeout_s`` (at most the group's timeout) bounds this guard's wait
+        instead of the group's own timeout.
+        """
         if self.world == 1:
             return
         arrival = _record(intent.epoch, intent.trigger, state, _ARRIVED)
@@ -137,14 +141,21 @@ class Guard:
         key = intent.key
         self._view[0] = key
         self._view[1] = -key
+        limit = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
         started = time.monotonic()
         try:
-            dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group)
+            if limit < self.timeout_s:
+                # A shorter wait than the group's own: the collective's wait bounds it.
+                dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True).wait(
+                    timedelta(seconds=limit)
+                )
+            else:
+                dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group)
         except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
             self._publisher.disarm()
             # Make sure our own arrival is in the store before judging others'.
             self._publisher.set_now(arrival)
-            raise self._missing_error(intent, exc, time.monotonic() - started) from exc
+            raise self._missing_error(intent, exc, time.monotonic() - started, limit) from exc
         self._publisher.disarm()
         if self._view[0] != -self._view[1]:
             raise self._divergence(intent)
@@ -180,8 +191,8 @@ class Guard:
             and seen.phase == _ARRIVED
         )
 
-    def _missing_error(self, intent: Intent, exc: RuntimeError, waited: float) -> Exception:
-        timed_out = waited >= self.timeout_s * 0.9 or "timed out" in str(exc).lower()
+    def _missing_error(self, intent: Intent, exc: RuntimeError, waited: float, limit: float) -> Exception:
+        timed_out = waited >= limit * 0.9 or "timed out" in str(exc).lower()
         deadline = time.monotonic() + (0.0 if timed_out else _ARRIVAL_GRACE_S)
         while True:
             seen = self.last_seen()
@@ -194,7 +205,7 @@ class Guard:
         last = {r: self._best_sighting(r, seen[r]) for r in missing}
         if timed_out:
             return GuardTimeoutError(
-                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=self.timeout_s
+                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=limit
             )
         return PeerLostError(
             epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0]

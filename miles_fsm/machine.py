@@ -155,7 +155,8 @@ class Machine(Generic[S, T]):
 
     ``planner(arrow, epoch)`` returns the ``Plan``; ``next_epoch(trigger,
     epoch)`` is the epoch rule; ``probe()`` measures memory at each step
-    boundary (None: unknown). Every entry point takes ``lock``, which the
+    boundary (None: unknown); ``timeout_for(trigger)`` is a trigger's guard
+    timeout (None: the guard's own). Every entry point takes ``lock``, which the
     owner shares for work of its own that must not interleave with a
     transition.
     """
@@ -169,6 +170,7 @@ class Machine(Generic[S, T]):
         guard: Guard,
         tracer: TraceSink,
         probe: Callable[[], int | None] = lambda: None,
+        timeout_for: Callable[[str], float | None] = lambda trigger: None,
     ) -> None:
         self.definition = definition
         self.guard = guard
@@ -177,6 +179,7 @@ class Machine(Generic[S, T]):
         self._planner = planner
         self._next_epoch = next_epoch
         self._probe = probe
+        self._timeout_for = timeout_for
         self._epoch = 0
         self._failure: Failure | None = None
         self._in_flight: InFlight | None = None
@@ -250,7 +253,7 @@ class Machine(Generic[S, T]):
              tensors=intent.tensors.digest, **base)  # fmt: skip
         t0 = time.perf_counter()
         try:
-            self.guard.agree(intent, state=base["state"])
+            self.guard.agree(intent, state=base["state"], timeout_s=self._timeout_for(base["trigger"]))
         except BaseException as exc:
             emit(GUARD_FAILED, **describe(exc), **base)
             raise

@@ -77,7 +77,7 @@ class Lifecycle:
         self._config = config or LifecycleConfig()
         self._trainer = trainer
         self._engine = engine
-        self._guard = guard or Guard.from_default_group(timeout_s=self._config.guard.timeout_s)
+        self._guard = guard or Guard.from_default_group(timeout_s=self._config.guard.longest_s)
         strategy = trainer.strategy
         # Shared by every rank, traced or not: sharing it is collective.
         run_id = self._guard.share_run_id(self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or None)
@@ -110,6 +110,7 @@ class Lifecycle:
             guard=self._guard,
             tracer=tracer,
             probe=trainer.memory_in_use,
+            timeout_for=self._config.guard.timeout_for,
         )
 
     # ------------------------------------------------------------------ facts
@@ -215,7 +216,7 @@ class Lifecycle:
         with self._machine.lock:
             state = self.state.value
             if not (collectives and self._guard.active):
-                return 0.0
+                return 0.0  # nothing here can hang: only a collective waits on the others
             intent = self._intent(step, state, state, self.epoch, tuple(collectives))
             return self._machine.agree(intent, {"epoch": self.epoch, "trigger": step, "state": state})
 
@@ -229,7 +230,7 @@ class Lifecycle:
         collectives = tuple(c for p in steps for c in self._collectives(p.step))
         # The intent (and the tensor set, a walk over every tensor) is built
         # only when a guard will compare it.
-        if not (collectives and self._guard.active):
+        if not self._guard.active or not (collectives or self._config.guard.every_transition):
             return Plan(steps)
         intent = self._intent(transition.trigger.value, transition.source.value, transition.dest.value, epoch,
                               collectives)  # fmt: skip

@@ -14,7 +14,9 @@ from toy import ToyEngine, ToyTrainer
 def build(ctx: RankContext, **trainer_kw: Any) -> tuple[Lifecycle, ToyTrainer]:
     trainer = ToyTrainer(**trainer_kw)
     config = LifecycleConfig(
-        guard=GuardConfig(timeout_s=ctx.kwargs.get("timeout_s", 3.0)),
+        guard=GuardConfig(timeout_s=ctx.kwargs.get("timeout_s", 3.0),
+                          every_transition=ctx.kwargs.get("every_transition", True),
+                          timeouts=ctx.kwargs.get("timeouts", {})),
         trace_dir=ctx.kwargs.get("trace_dir"),
     )
     return Lifecycle(trainer=trainer, engine=ToyEngine(), config=config), trainer

@@ -23,20 +23,24 @@ def test_agreeing_ranks_pass_the_guard_and_run(assert_no_leftovers):
 
 
 @pytest.mark.parametrize("frozen", ["b", "w"])
-def test_one_rank_with_another_tensor_set_fails_every_rank_before_the_collective(frozen, assert_no_leftovers):
+@pytest.mark.parametrize(("every_transition", "caught_at"), [(True, "start (epoch 0)"), (False, "sync (epoch 1)")])
+def test_one_rank_with_another_tensor_set_fails_every_rank_before_the_collective(
+    frozen, every_transition, caught_at, assert_no_leftovers
+):
     """b. A rank that alone treats a param as frozen makes every rank raise RankDivergenceError,
-    naming it and the tensor, and no rank enters the param all-gather."""
-    out = run_ranks(ranks_engine.cycles, 3, timeout_s=60, kwargs={"frozen": {2: [frozen]}})
+    naming it and the tensor, and no rank enters the param all-gather. Guarding every transition
+    (the default) catches it at the first one; guarding only collectives, at the first sync."""
+    kwargs = {"frozen": {2: [frozen]}, "every_transition": every_transition}
+    out = run_ranks(ranks_engine.cycles, 3, timeout_s=60, kwargs=kwargs)
     for o in out:
         assert o.error is not None and o.error.type == "RankDivergenceError", o
         assert o.error.attrs["culprits"] == (2,)
         assert o.error.attrs["field"] == "tensor set"
         assert f"ranks [2] lack {frozen}" in o.error.message
         assert o.exitcode == 1
-    # The guard of the first sync failed, so no rank ever called param_sync.
-    # (Each rank's calls are lost with its process; the trace would show them.
-    # Here the error says 'sync (epoch 1)' and the guard runs before the first step.)
-    assert all("before sync (epoch 1)" in o.error.message for o in out)
+    # The guard failed before the transition's first step, so no rank ever called param_sync.
+    # (Each rank's calls are lost with its process; the trace would show them.)
+    assert all(f"before {caught_at}" in o.error.message for o in out)
 
 
 def test_divergence_never_enters_the_collective(tmp_path, assert_no_leftovers):
@@ -70,6 +74,20 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(assert_no_leftove
         assert o.elapsed_s is not None and o.elapsed_s < timeout + 2 + 2.0  # + startup of the first cycle
     assert out[1].result is None  # the hung rank was killed, not finished
     assert time.monotonic() - t0 < 30
+
+
+def test_a_trigger_of_its_own_timeout_waits_that_long_and_no_longer(assert_no_leftovers):
+    """GuardConfig.timeouts: sync's guard waits 1 s for the hung rank (not the 30 s default) and names it,
+    with the 1 s in the error."""
+    out = run_ranks(
+        ranks_engine.cycles, 2, timeout_s=60, linger_s=4,
+        kwargs={"hang_rank": 1, "timeout_s": 30.0, "timeouts": {"sync": 1.0}},
+    )  # fmt: skip
+    survivor = out[0]
+    assert survivor.error is not None and survivor.error.type == "GuardTimeoutError", survivor
+    assert survivor.error.attrs["missing"] == (1,) and survivor.error.attrs["timeout_s"] == 1.0
+    assert "within 1 s" in survivor.error.message
+    assert survivor.elapsed_s is not None and survivor.elapsed_s < 1.0 + 2 + 2.0
 
 
 def test_illegal_trigger_changes_nothing(assert_no_leftovers):

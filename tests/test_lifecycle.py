@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from miles_fsm import (
+    ConfigError,
+    GuardConfig,
     Lifecycle,
     LifecycleConfig,
     MemoryTagError,
@@ -194,3 +196,36 @@ def test_snapshot_reports_state_and_tags():
     assert snap.engine_released == {"weights", "kv_cache"}
     with pytest.raises(AttributeError):
         snap.state = State.PAUSED  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), 1e12])
+def test_guard_timeouts_must_be_finite_positive_and_at_most_a_day(bad):
+    """GuardConfig refuses a timeout that is not a real wait (0, negative, inf, NaN, 1e12 s), per trigger too."""
+    with pytest.raises(ConfigError, match="must be > 0 and <= 86400"):
+        GuardConfig(timeout_s=bad)
+    with pytest.raises(ConfigError, match=r"timeouts\['sync'\]"):
+        GuardConfig(timeouts={"sync": bad})
+
+
+def test_every_transition_is_guarded_by_default_and_the_opt_out_guards_only_collectives(tmp_path):
+    """With a world > 1 every transition writes a guard record; every_transition=False guards only
+    those whose plan declares a collective. (World 1 here: the planner's choice is read off the plan.)"""
+    from miles_fsm.guard import Guard
+
+    class Two(Guard):  # a guard that says it has peers, and agrees with itself
+        def agree(self, intent, *, state, timeout_s=None):
+            self.seen.append(intent.trigger)
+
+    for every, expected in ((True, ["start", "offload", "pause", "rematerialize", "sync", "resume"]), (False, [])):
+        guard = Two(rank=0, world=2, group=None, store=_NullStore(), timeout_s=5.0)
+        guard.seen = []
+        lc = Lifecycle(trainer=ToyTrainer(), engine=ToyEngine(),
+                       config=LifecycleConfig(guard=GuardConfig(every_transition=every), run_id="r"), guard=guard)
+        lc.start()
+        lc.offload(), lc.pause(), lc.rematerialize(), lc.sync(), lc.resume()
+        assert guard.seen == expected  # the toy declares its all-gather only with a real world > 1
+
+
+class _NullStore:
+    def set(self, key, value):
+        pass

@@ -23,7 +23,7 @@ RANKS, STEPS, CULPRIT, AT_STEP = 3, 2, 1, 2
 
 #: What replay must say for each injection at rank 1, step 2 (epoch 2): verdict and transition.
 EXPECTED = {
-    "diverge": ("divergence", "sync"),  # the tensor set differs at the first guard of the step
+    "diverge": ("divergence", "offload"),  # the tensor set differs at the first guard of the step
     "hang": ("stuck", "offload"),  # stops before the offload's guard
     "crash": ("crashed", "sync"),  # SIGKILL inside param_sync
     "corrupt": ("corrupt", "resume"),  # the verify step of resume finds it
