@@ -20,6 +20,7 @@ _EXPORTS = {
     "DEFINITION": "miles_fsm.states",
     "Definition": "miles_fsm.definition",
     "DefinitionError": "miles_fsm.errors",
+    "DriverProtocolError": "miles_fsm.states.errors",
     "EngineDriver": "miles_fsm.states.protocols",
     "EngineRequestError": "miles_fsm.drivers.errors",
     "EngineSessionError": "miles_fsm.drivers.errors",
@@ -157,6 +158,7 @@ if TYPE_CHECKING:
         RolloutWindow,
     )
     from miles_fsm.states.errors import (  # noqa: F401
+        DriverProtocolError,
         MemoryTagError,
         RecoveryError,
         TensorSetChangedError,

@@ -98,3 +98,12 @@ class LifecycleConfig:
     #: The run's id in every trace record; None: ``MILES_FSM_RUN_ID``, else
     #: made by rank 0 and shared with every rank when the lifecycle is built.
     run_id: str | None = None
+    #: This lifecycle's name when a job runs several (``actor``, ``ref``, ``critic``): its traces go
+    #: to ``trace_dir/<name>/`` and its guard keeps its own keys in the store.
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.name is not None and (not self.name or not self.name.replace("-", "").replace("_", "").isalnum()):
+            raise ConfigError([f"name must be letters, digits, '-' and '_', got {self.name!r}"], "LifecycleConfig")
+        if self.trace_dir is not None and not isinstance(self.trace_dir, Path):
+            object.__setattr__(self, "trace_dir", Path(self.trace_dir))

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from miles_fsm.blame import suspects
 from miles_fsm.errors import (
+    ConfigError,
     GuardTimeoutError,
     LastSeen,
     PeerLostError,
@@ -39,8 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Guard"]
 
-_PREFIX = "miles_fsm/last/"
-_RUN_PREFIX = "miles_fsm/run/"
 _SERIALS = itertools.count()
 _ARRIVED = "entered guard of"
 
@@ -67,6 +66,7 @@ class Guard:
         group: Any,
         store: Any,
         timeout_s: float,
+        name: str | None = None,
     ) -> None:
         self.rank = rank
         self.world = world
@@ -75,10 +75,12 @@ class Guard:
         self._store = store
         self._buf = torch.zeros(2, dtype=torch.int64)
         self._view = self._buf.numpy()  # element access through numpy costs ~0.1 us, torch's ~2 us
-        self._publisher = _Publisher(store, f"{_PREFIX}{rank}") if world > 1 else None
-        # Guards are built collectively, so the n-th guard of a process is the
-        # n-th on every rank: its number keys what the ranks share through the store.
-        self._serial = next(_SERIALS) if world > 1 else 0
+        # Guards are built collectively, so the n-th guard of a process is the n-th on
+        # every rank: its number (and the lifecycle's name) keys what it keeps in the
+        # store, so that several lifecycles of one job (actor, ref, critic) never collide.
+        serial = next(_SERIALS) if world > 1 else 0
+        self.namespace = f"miles_fsm/{name or 'guard'}.{serial}/"
+        self._publisher = _Publisher(store, self._last_key(rank)) if world > 1 else None
         #: The last guard every rank passed: where a rank that later goes missing was last seen.
         self._last_passed: LastSeen | None = None
         #: Per trigger, the intent every rank agreed on the last time it passed.
@@ -90,24 +92,40 @@ class Guard:
         return cls(rank=0, world=1, group=None, store=None, timeout_s=0.0)
 
     @classmethod
-    def from_default_group(cls, *, timeout_s: float, store: Any | None = None) -> "Guard":
+    def from_default_group(cls, *, timeout_s: float, store: Any | None = None, name: str | None = None) -> "Guard":
         """Build a guard over the default process group. Collective: every rank calls it.
 
         The guard gets its own gloo group, so it never queues behind (or
         inside) the trainer's NCCL work, and its timeout is the guard timeout.
+        """
+        return cls.from_group(None, timeout_s=timeout_s, store=store, name=name)
+
+    @classmethod
+    def from_group(
+        cls, group: Any = None, *, timeout_s: float, store: Any | None = None, name: str | None = None
+    ) -> "Guard":
+        """Build a guard over ``group`` (None: the default group). Collective over the group's ranks.
+
+        A gloo group is used as it is: pass the host's own gloo group (miles'
+        ``get_gloo_group()``) to spend no extra group. Any other group (NCCL)
+        gets a gloo group over the same ranks, so the guard never queues
+        behind NCCL work and outlives NCCL groups that the host destroys and
+        rebuilds around sleep. ``store``: where ranks publish their arrival
+        and failures; default the torch.distributed default store.
         """
         if not dist.is_initialized():
             world_size = _env_world_size()
             if world_size > 1:
                 raise ProcessGroupMissingError(world_size=world_size, rank=os.environ.get("RANK"))
             return cls.solo()
-        world = dist.get_world_size()
+        world = dist.get_world_size(group)
         if world == 1:
             return cls.solo()
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        if store is None:
-            store = dist.distributed_c10d._get_default_store()
-        return cls(rank=dist.get_rank(), world=world, group=group, store=store, timeout_s=timeout_s)
+        if group is None or dist.get_backend(group) != "gloo":
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        store = store if store is not None else _default_store()
+        return cls(rank=dist.get_rank(group), world=world, group=group, store=store, timeout_s=timeout_s, name=name)
 
     @property
     def active(self) -> bool:
@@ -123,7 +141,7 @@ class Guard:
             return given
         if self.world == 1:
             return new_run_id()
-        key = f"{_RUN_PREFIX}{self._serial}"
+        key = f"{self.namespace}run"
         if self.rank == 0:
             self._store.set(key, new_run_id())
         return bytes(self._store.get(key)).decode()
@@ -175,13 +193,16 @@ class Guard:
         """What the store last heard from each rank (None: nothing, or store unreachable)."""
         seen: dict[int, LastSeen | None] = {}
         for r in range(self.world):
-            key = f"{_PREFIX}{r}"
+            key = self._last_key(r)
             try:
                 raw = self._store.get(key) if self._store.check([key]) else None
             except RuntimeError:  # the store's host may be the rank that died
                 raw = None
             seen[r] = None if raw is None else LastSeen(rank=r, **orjson.loads(raw))
         return seen
+
+    def _last_key(self, rank: int) -> str:
+        return f"{self.namespace}last/{rank}"
 
     def _arrived(self, intent: Intent, seen: LastSeen | None) -> bool:
         return (
@@ -336,3 +357,15 @@ def _env_world_size() -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1  # not a launcher's variable; nothing claims several ranks
+
+
+def _default_store() -> Any:
+    # torch keeps the default store behind a private name; say what to do if it moves.
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            [f"the torch.distributed default store is not reachable ({type(exc).__name__}: {exc}); pass "
+             "store= (a TCPStore, or the launcher's store) to Guard.from_group or Lifecycle"],
+            "Guard",
+        ) from exc

@@ -65,12 +65,13 @@ class Report(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """Why a rank is FAILED: the transition, the step (None: the guard) and the error."""
+    """Why a rank is FAILED: the transition, the state it left, the step (None: the guard) and the error."""
 
     trigger: Any
     epoch: int
     step: str | None
     error: BaseException
+    source: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,16 +332,17 @@ class Machine(Generic[S, T]):
         if f.phase == "cancel":
             self.tracer.emit(TRANSITION_CANCELLED, state=f.arrow.source.value, **base, **describe(exc))
             raise TransitionCancelled(f.arrow.trigger.value, f.epoch) from exc
-        self.fail(f.arrow.trigger, f.epoch, f.step, exc, f.arrow.source.value, base)
+        self.fail(f.arrow.trigger, f.epoch, f.step, exc, f.arrow.source, base)
         raise exc
 
     # ---------------------------------------------------------------- failure
 
-    def fail(self, trigger: Any, epoch: int, step: str | None, exc: BaseException, source: str,
+    def fail(self, trigger: Any, epoch: int, step: str | None, exc: BaseException, source: Any,
              base: Mapping[str, Any]) -> None:  # fmt: skip
         """Move to the failed state, keep the cause, trace it and tell the peers."""
         failed = self.definition.failed.value
-        self._failure = Failure(trigger, epoch, step, exc)
+        self._failure = Failure(trigger, epoch, step, exc, source)
+        source = source.value
         self._in_flight = None
         self._machine.set_state(failed, model=self._model)
         self.tracer.emit(TRANSITION_FAILED, state=failed, source=source, action=step,

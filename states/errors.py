@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from miles_fsm.errors import MilesFsmError, list_names
 
-__all__ = ["MemoryTagError", "RecoveryError", "TensorSetChangedError", "VerificationError", "WeightVersionError"]
+__all__ = ["DriverProtocolError", "MemoryTagError", "RecoveryError", "TensorSetChangedError", "VerificationError", "WeightVersionError"]
 
 
 class VerificationError(MilesFsmError, RuntimeError):
@@ -82,3 +82,18 @@ class RecoveryError(MilesFsmError, RuntimeError):
         self.target = target
         self.reason = reason
         super().__init__(f"cannot recover to {target}: {reason}")
+
+
+class DriverProtocolError(MilesFsmError, TypeError):
+    """A driver handed to the lifecycle lacks members of its protocol."""
+
+    def __init__(self, *, role: str, driver: str, missing: Sequence[str], protocol: str) -> None:
+        self.role = role
+        self.driver = driver
+        self.missing = tuple(missing)
+        self.protocol = protocol
+        super().__init__(
+            f"the {role} driver {driver} lacks {len(self.missing)} member(s) of {protocol}: "
+            f"{', '.join(self.missing)}. Implement them (docs/embedding.md lists what each must do); "
+            "nothing ran."
+        )

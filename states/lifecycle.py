@@ -28,15 +28,15 @@ from miles_fsm.states.errors import RecoveryError
 from miles_fsm.guard import Guard
 from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
 from miles_fsm.plan import Intent
-from miles_fsm.schema import RECOVERED
+from miles_fsm.schema import RECOVERED, TRACE_OPENED
 from miles_fsm.states.actions import Actions
+from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
 from miles_fsm.tracing import NullTracer, Tracer, TraceSink
 
 if TYPE_CHECKING:
     from miles_fsm.definition import Definition, Transition
     from miles_fsm.plan import Collective
-    from miles_fsm.states.protocols import EngineDriver, TrainerDriver
 
 __all__ = ["Lifecycle", "Snapshot"]
 
@@ -72,29 +72,27 @@ class Lifecycle:
         engine: EngineDriver | None = None,
         config: LifecycleConfig | None = None,
         guard: Guard | None = None,
+        group: Any = None,
+        store: Any = None,
+        sink: TraceSink | None = None,
         trace_meta: Mapping[str, Any] | None = None,
     ) -> None:
+        """``guard``, else one over ``group`` (None: the default group) and ``store``; see ``Guard.from_group``.
+
+        ``sink`` replaces the file tracer of ``config.trace_dir`` with a trace sink of your own; it
+        receives every record as ``emit(event, **fields)`` (``trace_opened`` included).
+        """
+        check_driver(trainer, TrainerDriver, "trainer")
+        if engine is not None:
+            check_driver(engine, EngineDriver, "engine")
         self._config = config or LifecycleConfig()
         self._trainer = trainer
         self._engine = engine
-        self._guard = guard or Guard.from_default_group(timeout_s=self._config.guard.longest_s)
-        strategy = trainer.strategy
-        # Shared by every rank, traced or not: sharing it is collective.
-        run_id = self._guard.share_run_id(self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or None)
-        tracer: TraceSink = (
-            Tracer(
-                self._config.trace_dir,
-                rank=self._guard.rank,
-                world=self._guard.world,
-                run=run_id,
-                strategy=strategy.value,
-                guard_timeout_s=self._guard.timeout_s,
-                machine=DEFINITION.describe(steps=lambda t: [str(s) for s in self._steps(t, strategy)]),
-                **dict(trace_meta or {}),
-            )
-            if self._config.trace_dir is not None
-            else NullTracer()
+        self._guard = guard or Guard.from_group(
+            group, timeout_s=self._config.guard.longest_s, store=store, name=self._config.name
         )
+        strategy = trainer.strategy
+        tracer = self._open_trace(strategy, sink, trace_meta or {})
         self._actions = Actions(trainer=trainer, engine=engine, verify=self._config.verify, tracer=tracer)
         table = self._actions.table
         # Names and the step selection are fixed facts of the table and the
@@ -112,6 +110,26 @@ class Lifecycle:
             probe=trainer.memory_in_use,
             timeout_for=self._config.guard.timeout_for,
         )
+
+    def _open_trace(self, strategy: Strategy, sink: TraceSink | None, extra: Mapping[str, Any]) -> TraceSink:
+        # Shared by every rank, traced or not: sharing it is collective.
+        run_id = self._guard.share_run_id(self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or None)
+        meta = {
+            "strategy": strategy.value,
+            "guard_timeout_s": self._guard.timeout_s,
+            "lifecycle": self._config.name,
+            "machine": DEFINITION.describe(steps=lambda t: [str(s) for s in self._steps(t, strategy)]),
+            **extra,
+        }
+        if sink is not None:
+            sink.emit(TRACE_OPENED, epoch=0, state=None, trigger=None, run=run_id, rank=self._guard.rank,
+                      world=self._guard.world, **meta)  # fmt: skip
+            return sink
+        if self._config.trace_dir is None:
+            return NullTracer()
+        # Several lifecycles of one job (actor, ref, critic) trace into folders of their own.
+        trace_dir = self._config.trace_dir / self._config.name if self._config.name else self._config.trace_dir
+        return Tracer(trace_dir, rank=self._guard.rank, world=self._guard.world, run=run_id, **meta)
 
     # ------------------------------------------------------------------ facts
 

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from miles_fsm.plan import Collective, TensorSet
+from miles_fsm.states.errors import DriverProtocolError
 from miles_fsm.states import Step, Strategy
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineDriver", "StepReport", "TrainerDriver"]
+__all__ = ["EngineDriver", "StepReport", "TrainerDriver", "check_driver"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,3 +123,16 @@ class EngineDriver(Protocol):
     def collectives(self, step: Step) -> tuple[Collective, ...]:
         """The collectives ``step`` will issue on the trainer side (e.g. a broadcast)."""
         ...
+
+
+def check_driver(driver: object, protocol: type, role: str) -> None:
+    """Refuse, at construction, a driver that lacks members of its protocol; name every missing one.
+
+    ``isinstance`` against a runtime-checkable protocol only says no; this
+    says what to add, before any transition half-runs into an AttributeError.
+    """
+    members = sorted(name for name in dir(protocol) if not name.startswith("_"))
+    missing = [name for name in members if not hasattr(driver, name)]
+    if missing:
+        raise DriverProtocolError(role=role, driver=type(driver).__qualname__, missing=missing,
+                                  protocol=protocol.__name__)  # fmt: skip

@@ -109,3 +109,42 @@ def train_guard(ctx: RankContext) -> dict[str, Any]:
     except RankDivergenceError as exc:
         return {"error": "RankDivergenceError", "field": exc.field, "culprits": exc.culprits, "state": lc.state.value}
     return {"error": None, "state": lc.state.value}
+
+
+def host_groups(ctx: RankContext) -> dict[str, Any]:
+    """Two lifecycles (actor, ref) on one job, each guarded over the host's own gloo group; the host
+    destroys and rebuilds another group between cycles, as frameworks do with NCCL around sleep."""
+    import torch.distributed as dist
+
+    from miles_fsm.testing import run_cycles
+
+    host_gloo = dist.new_group(backend="gloo")
+    trace_dir = ctx.kwargs["trace_dir"]
+    lcs = {}
+    for name in ("actor", "ref"):
+        config = LifecycleConfig(guard=GuardConfig(timeout_s=5.0), trace_dir=trace_dir, name=name)
+        lcs[name] = Lifecycle(trainer=ToyTrainer(), engine=ToyEngine(), config=config, group=host_gloo)
+    for lc in lcs.values():
+        lc.start()
+    for _ in range(2):
+        scratch = dist.new_group(backend="gloo")  # stands in for the host's NCCL group
+        for lc in lcs.values():
+            run_cycles(lc)
+        dist.destroy_process_group(scratch)
+    for lc in lcs.values():
+        lc.close()
+    return {name: {"state": lc.state.value, "epoch": lc.epoch, "keys": lc._guard.namespace} for name, lc in lcs.items()}
+
+
+def frozen_on_second_lifecycle(ctx: RankContext) -> dict[str, Any]:
+    """The 'ref' lifecycle of rank 1 plans another tensor set; 'actor' is healthy on every rank."""
+    actor = Lifecycle(trainer=ToyTrainer(), config=LifecycleConfig(guard=GuardConfig(timeout_s=5.0), name="actor"))
+    frozen = ["b"] if ctx.rank == 1 else []
+    ref = Lifecycle(trainer=ToyTrainer(frozen=frozen), config=LifecycleConfig(guard=GuardConfig(timeout_s=5.0),
+                                                                                name="ref"))  # fmt: skip
+    actor.start()
+    try:
+        ref.start()
+    except Exception as exc:  # noqa: BLE001 - the test reads its type and fields
+        return {"actor": actor.state.value, "ref_error": type(exc).__name__, "culprits": list(exc.culprits)}
+    return {"actor": actor.state.value, "ref_error": None}

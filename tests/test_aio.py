@@ -137,7 +137,8 @@ async def test_triggers_run_the_cycle_and_every_watcher_sees_each_change_in_orde
 
 async def test_event_loop_keeps_ticking_during_a_one_second_transition():
     """A transition whose step does >= 1 s of CPU work runs in a worker thread: a 5 ms ticker keeps
-    running, and the worst gap between its ticks stays under 50 ms."""
+    running; 99% of its gaps stay under 50 ms and the worst under 250 ms (a blocked loop stalls the whole
+    1 s; the margin is for a 2-core machine under load, where the OS alone can delay a tick)."""
     trainer, alc = _build()
     await alc.start()
     trainer.busy_s = 1.0
@@ -159,7 +160,9 @@ async def test_event_loop_keeps_ticking_during_a_one_second_transition():
         done = True
     assert result.duration_s >= 1.0
     assert len(gaps) > 100, "the ticker barely ran"
-    assert max(gaps) < 0.050, f"worst loop stall {max(gaps) * 1e3:.1f} ms"
+    p99 = sorted(gaps)[int(len(gaps) * 0.99)]
+    assert p99 < 0.050, f"99th-percentile loop stall {p99 * 1e3:.1f} ms"
+    assert max(gaps) < 0.250, f"worst loop stall {max(gaps) * 1e3:.1f} ms"
 
 
 async def test_a_new_trigger_queues_behind_the_running_transition_and_never_cancels_it():

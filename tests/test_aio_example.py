@@ -34,7 +34,8 @@ def _run(*args: str, timeout: float) -> dict:
 def test_the_example_runs_verified_rl_steps_with_concurrent_generation(backend):
     """One rank, 3 RL steps: each step's 16 concurrent requests are served in batches of 8 inside the
     rollout window, every cycle passes verification and ends in TRAINING, every change reaches the
-    monitor task, and the event loop never stalls for 50 ms."""
+    monitor task, and the event loop never stalls for a transition's length (250 ms: the margin is for a
+    2-core machine under load; a loop blocked by a transition stalls for all of it)."""
     out = _run("--backend", backend, "--steps", "3", timeout=60)
     assert out["ok"] is True
     (rank,) = out["ranks"]
@@ -43,7 +44,7 @@ def test_the_example_runs_verified_rl_steps_with_concurrent_generation(backend):
     assert [s["epoch"] for s in rank["steps"]] == [1, 2, 3]
     assert rank["batches"] == 6
     assert rank["changes"] == ["INITIAL->TRAINING", *CYCLE * 3]
-    assert rank["ticks"] > 0 and rank["worst_stall_s"] < 0.050
+    assert rank["ticks"] > 0 and rank["worst_stall_s"] < 0.250
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ SAMPLES = [
     state_errors.TensorSetChangedError(epoch=1, added=["x"], removed=["y"]),
     state_errors.MemoryTagError(side="trainer", tag="default", op="pause", paused=["default"]),
     state_errors.WeightVersionError(engine="e0", expected="2", actual="1"),
+    state_errors.DriverProtocolError(role="trainer", driver="MyTrainer", missing=["tensor_set"], protocol="TrainerDriver"),
     driver_errors.IneligibleModelError(["frozen.weight"], "not in a DDP buffer"),
     driver_errors.EngineRequestError(engine="e0", op="flush_cache", status=400, message="busy"),
     driver_errors.EngineSessionError(engine="e0", op="begin", detail="open"),
