@@ -19,6 +19,7 @@ _EXPORTS = {
     "ConfigError": "miles_fsm.errors",
     "DEFINITION": "miles_fsm.states",
     "Definition": "miles_fsm.definition",
+    "DIGEST_SCHEME": "miles_fsm.digest",
     "DefinitionError": "miles_fsm.errors",
     "DriverProtocolError": "miles_fsm.states.errors",
     "EngineDriver": "miles_fsm.states.protocols",
@@ -75,6 +76,7 @@ _EXPORTS = {
     "VerificationError": "miles_fsm.states.errors",
     "VerifyConfig": "miles_fsm.config",
     "WeightChecksumError": "miles_fsm.drivers.errors",
+    "digest_tensors": "miles_fsm.digest",
     "WeightVersionError": "miles_fsm.states.errors",
 }
 
@@ -98,6 +100,10 @@ if TYPE_CHECKING:
     from miles_fsm.definition import (  # noqa: F401
         Definition,
         Transition,
+    )
+    from miles_fsm.digest import (  # noqa: F401
+        DIGEST_SCHEME,
+        digest_tensors,
     )
     from miles_fsm.drivers.errors import (  # noqa: F401
         BufferRoutingError,

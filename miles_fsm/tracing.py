@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import orjson
 import structlog
+import structlog.contextvars
 
 from miles_fsm.errors import describe
 from miles_fsm.schema import SCHEMA_VERSION, TRACE_CLOSED, TRACE_OPENED
@@ -110,7 +111,8 @@ class Tracer:
         self._lock = threading.Lock()
         self._log = structlog.wrap_logger(
             structlog.BytesLogger(self._file),
-            processors=[SequenceNumberer(), add_clocks, render_json],
+            # The host's structlog context (bind_contextvars(step=..., job=...)) joins every record.
+            processors=[structlog.contextvars.merge_contextvars, SequenceNumberer(), add_clocks, render_json],
             wrapper_class=structlog.make_filtering_bound_logger(0),
             context_class=dict,
             cache_logger_on_first_use=True,

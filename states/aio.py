@@ -16,8 +16,10 @@ import anyio
 import anyio.lowlevel
 
 from miles_fsm.aio import AsyncMachine
+from miles_fsm.aio_gate import Gate, deliver
 from miles_fsm.errors import TransitionNotAllowed
 from miles_fsm.machine import TransitionResult
+from miles_fsm.plan import Collective
 from miles_fsm.states.definition import State, Trigger
 
 __all__ = ["AsyncLifecycle", "RolloutWindow"]
@@ -57,6 +59,16 @@ class AsyncLifecycle(AsyncMachine):
 
     async def resume(self) -> TransitionResult:
         return await self.fire(Trigger.RESUME)
+
+    async def agree_on(self, step: str, collectives: tuple[Collective, ...]) -> float:
+        """``Lifecycle.agree_on`` in a worker thread, in this rank's queue. Once started it is never
+        abandoned (it is a collective): a cancellation is delivered when it returns."""
+        async with self._turn(f"agree_on({step})"):
+            gate = Gate(commit_at_start=True)
+            cancel = await self._call(lambda: self.lifecycle.agree_on(step, collectives), gate)
+            deliver(gate, cancel)
+            seconds: float = gate.value
+            return seconds
 
     @asynccontextmanager
     async def rollout(self) -> AsyncIterator[RolloutWindow]:

@@ -430,3 +430,28 @@ async def test_cancel_while_queued_on_the_lock_fires_nothing():
             trainer.release.set()
         assert not scope.cancelled_caught
     assert alc.state is State.PAUSED  # resume would have raised TransitionNotAllowed had it fired
+
+
+async def test_agree_on_runs_in_the_ranks_queue_and_returns_the_guard_time():
+    """AsyncLifecycle.agree_on guards a train step from async code: it waits its turn behind a running
+    transition (never interleaving with it) and leaves the state alone."""
+    from miles_fsm.plan import Collective
+
+    trainer, alc = _build()
+    await alc.start()
+    order: list[str] = []
+
+    async def offload() -> None:
+        await alc.offload()
+        order.append("offload")
+
+    async def agree() -> None:
+        seconds = await alc.agree_on("train", (Collective("all_reduce", "dp", "float32", 8),))
+        order.append(f"agree:{seconds:g}")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(offload)
+        await wait_all_tasks_blocked()
+        tg.start_soon(agree)
+    assert order == ["offload", "agree:0"]  # world 1: nothing to agree with, so no wait
+    assert alc.state is State.OFFLOADED

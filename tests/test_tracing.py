@@ -96,3 +96,22 @@ def test_trace_of_a_sigkilled_rank_parses_up_to_the_kill(tmp_path):
     assert records[-1]["action"] == "backup(actor)"
     assert records[-1]["trigger"] == "offload"
     assert [r["seq"] for r in records] == list(range(len(records)))
+
+
+def test_the_hosts_structlog_context_joins_every_record(tmp_path):
+    """Keys the host binds with structlog.contextvars.bind_contextvars (a job id, an RL step) appear in every
+    record written while they are bound, and not after."""
+    import orjson
+    import structlog.contextvars
+
+    tracer = Tracer(tmp_path, rank=0, world=1, run="r")
+    structlog.contextvars.bind_contextvars(job="ppo-7", rl_step=3)
+    try:
+        tracer.emit("demo_step", epoch=1, state="TRAINING", trigger=None)
+    finally:
+        structlog.contextvars.clear_contextvars()
+    tracer.emit("demo_step", epoch=1, state="TRAINING", trigger=None)
+    tracer.close()
+    first, bound, unbound, closed = [orjson.loads(x) for x in (tmp_path / "rank-0.jsonl").read_bytes().splitlines()]
+    assert (bound["job"], bound["rl_step"]) == ("ppo-7", 3)
+    assert "job" not in unbound and "job" not in first and closed["event"] == "trace_closed"
