@@ -30,6 +30,7 @@ __all__ = [
     "MemoryReleasedError",
     "MilesFsmError",
     "PeerLostError",
+    "PeerStepFailedError",
     "ProcessGroupMissingError",
     "RankDivergenceError",
     "RankFailedError",
@@ -265,6 +266,22 @@ class PeerLostError(GuardError, ConnectionError):
             f"the guard of {trigger} (epoch {epoch}) lost its connection to {who} ({cause}); "
             f"{_describe_last(self.missing, self.last_seen)}. Check whether those processes "
             "crashed (exit code, OOM killer) and read their traces with `miles-fsm replay`."
+        )
+
+
+class PeerStepFailedError(GuardError, RuntimeError):
+    """A step that one rank ran for several (an engine call) failed there; every rank fails with it."""
+
+    def __init__(self, *, epoch: int, trigger: str, step: str, ranks: Sequence[int], errors: Mapping[int, str]) -> None:
+        self.epoch = epoch
+        self.trigger = trigger
+        self.step = step
+        self.ranks = tuple(ranks)
+        self.errors = dict(errors)
+        said = "; ".join(f"rank {r}: {e}" for r, e in sorted(self.errors.items()))
+        super().__init__(
+            f"{step} of {trigger} (epoch {epoch}) failed on rank(s) {list_ranks(self.ranks)}, which ran it for "
+            f"this rank too ({said}); every rank stops here together. Read those ranks' traces first."
         )
 
 

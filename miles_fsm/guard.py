@@ -29,6 +29,7 @@ from miles_fsm.errors import (
     GuardTimeoutError,
     LastSeen,
     PeerLostError,
+    PeerStepFailedError,
     ProcessGroupMissingError,
     RankDivergenceError,
 )
@@ -182,6 +183,29 @@ class Guard:
         self._last_passed = LastSeen(
             rank=-1, epoch=intent.epoch, trigger=intent.trigger, state=state, phase="passed guard of", wall=time.time()
         )
+
+    def share_outcome(self, error: BaseException | None, *, epoch: int, trigger: str, step: str) -> None:
+        """Every rank learns whether a step that some ranks ran for all of them succeeded. Collective.
+
+        A rank whose step failed re-raises its own error; the others raise
+        ``PeerStepFailedError`` naming it, so every rank commits or fails
+        together instead of waiting at the next guard for a rank that stopped.
+        """
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return
+        flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        if int(flag[0]) == 1:
+            return
+        said: list[Any] = [None] * self.world
+        mine = None if error is None else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        dist.all_gather_object(said, mine, group=self._group)
+        if error is not None:
+            raise error
+        failed = {r: text for r, text in enumerate(said) if text is not None}
+        raise PeerStepFailedError(epoch=epoch, trigger=trigger, step=step, ranks=sorted(failed), errors=failed)
 
     def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str) -> None:
         """Tell the store that this rank failed, so peers do not call it missing."""

@@ -40,9 +40,12 @@ class Actions:
         engine: EngineDriver | None,
         verify: VerifyConfig,
         tracer: TraceSink,
+        calls_engine: bool = True,
     ) -> None:
         self._trainer = trainer
-        self._engine = engine
+        # A rank that does not call its engine (another rank does, for it) keeps the
+        # engine's ledger all the same, so its memory state and its plan stay the others'.
+        self._engine = engine if calls_engine else None
         self._verify_config = verify
         self._tracer = tracer
         self.memory = MappingProxyType(
@@ -51,8 +54,8 @@ class Actions:
                                            resume=trainer.resume_memory),  # fmt: skip
                 Side.ENGINE: MemoryLedger(
                     Side.ENGINE.value,
-                    pause=engine.release_memory if engine is not None else _no_engine,
-                    resume=engine.resume_memory if engine is not None else _no_engine,
+                    pause=engine.release_memory if engine is not None and calls_engine else _not_here,
+                    resume=engine.resume_memory if engine is not None and calls_engine else _not_here,
                 ),
             }
         )
@@ -127,8 +130,8 @@ class Actions:
 
     def push_weights(self, step: Step, epoch: int) -> StepReport | None:
         engine = self._engine
-        if engine is None:  # the planner drops this step without an engine
-            raise RuntimeError("push_weights planned without an engine driver")
+        if engine is None:  # another rank pushes for this one; the planner drops the step without any engine
+            return None
         named = list(self._trainer.named_weights())
         version = str(epoch)
         report = engine.update_weights(named, version=version)
@@ -164,8 +167,8 @@ def _compare_served(engine: str, epoch: int, served: Mapping[str, str], pushed: 
         raise VerificationError(epoch=epoch, mismatched=bad, where=f"engine {engine}")
 
 
-def _no_engine(tag: str) -> None:
-    raise RuntimeError("engine memory steps are planned only with an engine driver")
+def _not_here(tag: str) -> None:
+    """Engine memory moves on the rank that calls the engine; elsewhere the ledger alone keeps count."""
 
 
 def _merge(reports: list[StepReport | None]) -> StepReport | None:

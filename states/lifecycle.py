@@ -75,12 +75,18 @@ class Lifecycle:
         group: Any = None,
         store: Any = None,
         sink: TraceSink | None = None,
+        engine_leader: bool | None = None,
         trace_meta: Mapping[str, Any] | None = None,
     ) -> None:
         """``guard``, else one over ``group`` (None: the default group) and ``store``; see ``Guard.from_group``.
 
         ``sink`` replaces the file tracer of ``config.trace_dir`` with a trace sink of your own; it
         receives every record as ``emit(event, **fields)`` (``trace_opened`` included).
+
+        ``engine_leader``: where one rank calls an engine for several (an engine's TP group),
+        True on that rank and False on the others, which then never call the engine; after
+        every engine step all ranks share its outcome, so they commit or fail together.
+        None (the default): every rank calls its own engine, and nothing is shared.
         """
         check_driver(trainer, TrainerDriver, "trainer")
         if engine is not None:
@@ -93,14 +99,20 @@ class Lifecycle:
         )
         strategy = trainer.strategy
         tracer = self._open_trace(strategy, sink, trace_meta or {})
-        self._actions = Actions(trainer=trainer, engine=engine, verify=self._config.verify, tracer=tracer)
+        self._actions = Actions(trainer=trainer, engine=engine, verify=self._config.verify, tracer=tracer,
+                                calls_engine=engine_leader is not False)  # fmt: skip
         table = self._actions.table
+        shared = engine_leader is not None and self._guard.active
         # Names and the step selection are fixed facts of the table and the
         # drivers: computed once here, not on every trigger.
         self._plans = {
-            t.trigger: tuple(PlannedStep(str(s), s, table[s.kind]) for s in self._steps(t, strategy))
+            t.trigger: tuple(
+                PlannedStep(str(s), s, self._shared(table[s.kind], t.trigger) if shared and _engine_side(s) else
+                            table[s.kind])
+                for s in self._steps(t, strategy)
+            )
             for t in DEFINITION.transitions
-        }
+        }  # fmt: skip
         self._machine: Machine[State, Trigger] = Machine(
             definition=DEFINITION,
             planner=self._plan,
@@ -240,6 +252,20 @@ class Lifecycle:
 
     # --------------------------------------------------------------- planning
 
+    def _shared(self, action: Callable[[Step, int], Any], trigger: Trigger) -> Callable[[Step, int], Any]:
+        """``action``, then its outcome shared with every rank (see ``engine_leader``)."""
+
+        def run(step: Step, epoch: int) -> Any:
+            try:
+                report = action(step, epoch)
+            except Exception as exc:  # handed to every rank, then re-raised here by share_outcome
+                self._guard.share_outcome(exc, epoch=epoch, trigger=trigger.value, step=str(step))
+                raise
+            self._guard.share_outcome(None, epoch=epoch, trigger=trigger.value, step=str(step))
+            return report
+
+        return run
+
     def _steps(self, t: Transition[State, Trigger], strategy: Strategy) -> tuple[Step, ...]:
         return tuple(s for s in steps_for(t, strategy) if self._applies(s))
 
@@ -365,6 +391,10 @@ class Lifecycle:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close(error=exc)
+
+
+def _engine_side(step: Step) -> bool:
+    return step.side is Side.ENGINE or step.kind is StepKind.PUSH_WEIGHTS
 
 
 def _rebuilds(step: Step) -> bool:

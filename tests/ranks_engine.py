@@ -148,3 +148,26 @@ def frozen_on_second_lifecycle(ctx: RankContext) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - the test reads its type and fields
         return {"actor": actor.state.value, "ref_error": type(exc).__name__, "culprits": list(exc.culprits)}
     return {"actor": actor.state.value, "ref_error": None}
+
+
+def engine_leader(ctx: RankContext) -> dict[str, Any]:
+    """Rank 0 calls the engine for both ranks; with ``fail_push`` its push fails."""
+    engine = ToyEngine()
+    if ctx.kwargs.get("fail_push") and ctx.rank == 0:
+        def update_weights(named, *, version):  # noqa: ARG001
+            raise RuntimeError("engine refused the push")
+
+        engine.update_weights = update_weights
+    config = LifecycleConfig(guard=GuardConfig(timeout_s=10.0))
+    lc = Lifecycle(trainer=ToyTrainer(), engine=engine, config=config, engine_leader=ctx.rank == 0)
+    lc.start()
+    error = None
+    try:
+        lc.offload()
+        lc.pause()
+        lc.rematerialize(), lc.sync(), lc.resume()
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the fields
+        error = {"type": type(exc).__name__, **({"ranks": list(exc.ranks)} if hasattr(exc, "ranks") else {})}
+    failure = lc.failure
+    return {"state": lc.state.value, "engine_calls": engine.calls, "error": error,
+            "failed_in": failure.step if failure else None}

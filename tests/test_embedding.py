@@ -85,3 +85,20 @@ def test_a_trace_sink_of_your_own_receives_every_record():
     assert events[0] == "trace_opened" and sink.records[0][1]["run"] == "r1" and "machine" in sink.records[0][1]
     assert "transition_failed" in events and events[-1] == "trace_closed"
     assert lc.failure is not None and lc.failure.source is State.TRAINING
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_push", [False, True])
+def test_one_rank_calls_the_engine_and_every_rank_shares_the_outcome(fail_push, assert_no_leftovers):
+    """engine_leader: only rank 0 calls the engine; both ranks run the cycle. When rank 0's push fails, rank 1
+    fails in the same step with PeerStepFailedError naming rank 0, instead of waiting at the next guard."""
+    out = run_ranks(ranks_engine.engine_leader, 2, timeout_s=60, kwargs={"fail_push": fail_push})
+    leader, follower = (o.result for o in out)
+    assert follower["engine_calls"] == []  # never called its engine
+    if not fail_push:
+        assert leader["state"] == follower["state"] == "TRAINING" and "update" in leader["engine_calls"]
+        return
+    assert leader["state"] == follower["state"] == "FAILED"
+    assert leader["failed_in"] == follower["failed_in"] == "engine.push_weights"
+    assert leader["error"] == {"type": "RuntimeError"}
+    assert follower["error"] == {"type": "PeerStepFailedError", "ranks": [0]}
