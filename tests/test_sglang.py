@@ -39,7 +39,8 @@ from miles_fsm.states.errors import MemoryTagError, WeightVersionError
 from miles_fsm.states.lifecycle import Lifecycle
 from miles_fsm.testing import run_cycles
 from miles_fsm.states import Side, State, Strategy
-from sglang_server import FakeEngine, FakeEngineWithoutSessions, serve, tensor_checksum
+from sglang_payloads import tensor_checksum
+from sglang_server import FakeEngine, FakeEngineWithoutSessions, serve
 from toy import ToyTrainer
 
 pytestmark = pytest.mark.timeout(60)
