@@ -23,6 +23,8 @@ SAMPLES = [
     engine_errors.GuardTimeoutError(epoch=2, trigger="sync", missing=[1], last_seen={1: _SEEN}, timeout_s=5.0),
     engine_errors.PeerLostError(epoch=2, trigger="sync", missing=[1], last_seen={1: None}, cause="reset"),
     engine_errors.ConfigError(["a", "b"], "GuardConfig"),
+    engine_errors.PeerStepFailedError(epoch=1, trigger="pause", step="engine.push_weights", ranks=[0],
+                                      errors={0: "RuntimeError: refused"}),  # fmt: skip
     engine_errors.ProcessGroupMissingError(world_size=2, rank="1"),
     state_errors.RecoveryError(target="TRAINING", reason="tags gone"),
     engine_errors.MemoryReleasedError(owner="trainer", op="hash", tags=["param_buffer"]),
