@@ -171,3 +171,18 @@ def engine_leader(ctx: RankContext) -> dict[str, Any]:
     failure = lc.failure
     return {"state": lc.state.value, "engine_calls": engine.calls, "error": error,
             "failed_in": failure.step if failure else None}
+
+
+def cycles_or_diverge(ctx: RankContext) -> dict[str, Any]:
+    """Two verified cycles; with ``frozen_rank``, that rank plans another tensor set; with ``hang_rank``, it hangs
+    before its sync guard."""
+    from miles_fsm.testing import run_cycles
+
+    frozen = ["b"] if ctx.kwargs.get("frozen_rank") == ctx.rank else []
+    lc, trainer = build(ctx, frozen=frozen)
+    lc.start()
+    if ctx.kwargs.get("hang_rank") == ctx.rank:
+        lc.offload(), lc.pause(), lc.rematerialize()
+        time.sleep(3600)
+    run_cycles(lc, 2)
+    return {"state": lc.state.value, "epoch": lc.epoch, "w": trainer.params["w"].float().sum().item()}
