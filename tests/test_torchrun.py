@@ -1,0 +1,73 @@
+"""Trainer ranks as torchrun workers: verified cycles, and the failing ranks' typed errors on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from proctable import live_processes
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("torchrun_worker.py")
+
+
+def _torchrun(tmp_path: Path, **kwargs) -> tuple[int, dict[int, dict]]:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.2",
+           str(WORKER), str(tmp_path), json.dumps(kwargs)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # A session of its own: afterwards, nothing of it (agent, workers) may be left in that session.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    deadline = time.monotonic() + 5
+    while [p for p in live_processes() if p.sid == proc.pid] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in live_processes() if p.sid == proc.pid], "torchrun left processes behind"
+    records = {}
+    for r in range(2):
+        for kind in ("result", "error"):
+            f = tmp_path / f"rank-{r}.{kind}.json"
+            if f.exists():
+                records[r] = {"kind": kind, **orjson.loads(f.read_bytes())}
+    return proc.returncode, records
+
+
+def test_two_torchrun_workers_run_verified_cycles(tmp_path):
+    """2 workers under torchrun run 2 verified cycles and end in TRAINING with identical params."""
+    code, records = _torchrun(tmp_path)
+    assert code == 0, records
+    assert [records[r]["state"] for r in range(2)] == ["TRAINING", "TRAINING"]
+    assert records[0]["w"] == records[1]["w"]
+
+
+def test_a_divergence_leaves_each_workers_typed_error_with_its_fields(tmp_path):
+    """Rank 1 plans another tensor set: torchrun exits non-zero and each worker's error file names
+    RankDivergenceError with its fields (the field, the suspects, how they were found)."""
+    code, records = _torchrun(tmp_path, frozen_rank=1)
+    assert code != 0
+    for r in range(2):
+        rec = records[r]
+        assert rec["kind"] == "error" and rec["error"] == "RankDivergenceError", rec
+        assert rec["fields"]["field"] == "tensor set" and rec["fields"]["culprits"] == [0, 1]
+
+
+def test_a_hang_is_named_by_the_survivor(tmp_path):
+    """Rank 1 hangs before its sync guard: rank 0's error file holds GuardTimeoutError naming rank 1, and
+    torchrun's agent tears the hung worker down (the run ends, non-zero)."""
+    code, records = _torchrun(tmp_path, hang_rank=1)
+    assert code != 0
+    assert records[0]["error"] == "GuardTimeoutError" and records[0]["fields"]["missing"] == [1]
+    assert 1 not in records
