@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from miles_fsm.apps.demo import DemoConfig, Injection, run_demo
+from miles_fsm.apps.demo import INJECTION_KINDS, DemoConfig, Injection, run_demo
 from miles_fsm.states import Strategy
 
 
@@ -68,7 +68,7 @@ def main() -> int:
             "phases": phases,
             "held_while_paused": runs[-1].held(),
         }
-    for kind in ("diverge", "hang", "crash", "corrupt"):
+    for kind in INJECTION_KINDS:
         for mode in Strategy:
             cfg = DemoConfig(
                 mode=mode, steps=3, guard_timeout_s=args.guard_timeout,

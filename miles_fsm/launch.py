@@ -2,8 +2,18 @@
 
 The parent hosts the TCPStore, so the store outlives any rank that dies and
 the survivors can still name it. Children start from a forkserver that has
-torch imported already. Every exit path (return, timeout, Ctrl-C, an
-exception in the parent) kills every child that is still alive.
+torch imported already. Every exit path (return, timeout, Ctrl-C, SIGTERM or
+SIGHUP, an exception in the parent) kills every child that is still alive.
+
+A parent that dies without running any of that (SIGKILL, a crash) is seen
+by its ranks: each holds the read end of a pipe whose only writer is the
+parent, so the pipe's end-of-file is the parent's death. The rank then runs
+what it registered with ``RankContext.on_launcher_lost`` (the demo closes its
+trace with ``LauncherLostError``), removes the launcher's multiprocessing
+temp folder that nobody else will, and exits. A rank's parent process is the
+forkserver, not the launcher, and the forkserver lives as long as any rank
+does, so a parent-death signal alone would never fire; it is set as well,
+for a forkserver that is killed.
 """
 
 from __future__ import annotations
@@ -12,16 +22,49 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from miles_fsm.errors import MilesFsmError
 
-__all__ = ["RankContext", "RankError", "RankOutcome", "run_ranks"]
+__all__ = ["EXIT_LAUNCHER_LOST", "LaunchInterrupted", "LauncherLostError", "RankContext", "RankError",
+           "RankOutcome", "run_ranks"]
+
+#: A rank's exit code when it stopped because its launcher died.
+EXIT_LAUNCHER_LOST = 75
+#: How long a rank's ``on_launcher_lost`` callbacks may run before it exits regardless.
+_LOST_GRACE_S = 2.0
+#: How long a terminated rank gets before it is killed.
+_TERM_GRACE_S = 2.0
+
+
+class LauncherLostError(MilesFsmError, RuntimeError):
+    """The process that launched this rank is gone, so nobody will collect it: the rank stops."""
+
+    def __init__(self, *, rank: int, launcher_pid: int) -> None:
+        self.rank = rank
+        self.launcher_pid = launcher_pid
+        super().__init__(
+            f"rank {rank}: its launcher (pid {launcher_pid}) died, so the rank stopped without finishing; "
+            "its trace ends here. Rerun the job; look for why the launcher was killed (OOM killer, "
+            "a scheduler's SIGKILL) in the system log."
+        )
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """The launching process got SIGTERM or SIGHUP: every rank was stopped, like Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name}: every rank was stopped")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +74,15 @@ class RankContext:
     rank: int
     world: int
     kwargs: Mapping[str, Any]
+    _on_lost: list[Callable[[LauncherLostError], None]] = field(default_factory=list, repr=False, compare=False)
+
+    def on_launcher_lost(self, callback: Callable[[LauncherLostError], None]) -> None:
+        """Run ``callback`` (from a watchdog thread) if the launcher dies; then the rank exits.
+
+        The callback must be quick and must not touch collectives or the
+        store: both lived in the dead launcher. Write the last trace record.
+        """
+        self._on_lost.append(callback)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +97,18 @@ class RankError:
 
 @dataclass(frozen=True, slots=True)
 class RankOutcome:
-    """How one rank ended: its return value, its error, or neither (killed)."""
+    """How one rank ended: its return value, its error, or neither (killed).
+
+    ``killed``: the launcher stopped it (its run timed out, or it outlived
+    the linger after another rank failed), as opposed to dying on its own.
+    """
 
     rank: int
     exitcode: int | None
     result: Any = None
     error: RankError | None = None
     elapsed_s: float | None = None
+    killed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -64,6 +121,58 @@ def _flatten(exc: BaseException) -> RankError:
     return RankError(type(exc).__name__, str(exc), attrs, "".join(traceback.format_exception(exc)))
 
 
+def _set_parent_death_signal() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _watch_launcher(lifeline: Any, ctx: RankContext, launcher_pid: int, mp_tmp: str | None) -> None:
+    """Block until the launcher's end of ``lifeline`` closes; then stop this rank."""
+    try:
+        lifeline.recv_bytes()
+    except EOFError:
+        pass  # the only writer is the launcher: end-of-file is its death
+    else:
+        raise AssertionError("the launcher never writes to the lifeline")  # pragma: no cover
+    error = LauncherLostError(rank=ctx.rank, launcher_pid=launcher_pid)
+    try:
+        os.write(2, f"miles-fsm: {error}\n".encode())
+    except OSError:
+        pass  # stderr went with the launcher (a closed pipe): the trace still says it
+    done = threading.Thread(target=_run_callbacks, args=(ctx, error), daemon=True)
+    done.start()
+    done.join(_LOST_GRACE_S)
+    if mp_tmp is not None:
+        _remove_mp_tmp(Path(mp_tmp))
+    os._exit(EXIT_LAUNCHER_LOST)
+
+
+def _run_callbacks(ctx: RankContext, error: LauncherLostError) -> None:
+    for callback in ctx._on_lost:
+        callback(error)
+
+
+def _remove_mp_tmp(path: Path) -> None:
+    # The launcher's atexit would have removed it; every rank tries, and the
+    # losers of that race find entries already gone.
+    import shutil
+
+    if not path.name.startswith("pymp-"):
+        return  # never remove a folder that is not multiprocessing's own
+
+    def gone_already(_fn: Any, _path: str, exc_info: Any) -> None:
+        if not issubclass(exc_info[0], FileNotFoundError):
+            raise exc_info[1]
+
+    shutil.rmtree(path, onerror=gone_already)
+
+
 def _child(
     fn: Callable[[RankContext], Any],
     rank: int,
@@ -72,7 +181,18 @@ def _child(
     kwargs: Mapping[str, Any],
     results: Any,
     pg_timeout_s: float,
+    lifeline: Any,
+    launcher_pid: int,
+    mp_tmp: str | None,
 ) -> None:
+    _set_parent_death_signal()
+    ctx = RankContext(rank=rank, world=world, kwargs=kwargs)
+    # First, before anything that could block on the launcher (the store lives there).
+    threading.Thread(
+        target=_watch_launcher, args=(lifeline, ctx, launcher_pid, mp_tmp), name="miles-fsm-launcher-watch",
+        daemon=True,
+    ).start()
+
     import torch.distributed as dist
 
     started = time.monotonic()
@@ -81,7 +201,7 @@ def _child(
         "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s)
     )
     try:
-        result = fn(RankContext(rank=rank, world=world, kwargs=kwargs))
+        result = fn(ctx)
     except BaseException as exc:  # reported to the parent, then the child exits non-zero
         results.put((rank, None, _flatten(exc), time.monotonic() - started))
         results.close()
@@ -104,6 +224,34 @@ def _context() -> Any:
     return _CTX
 
 
+@contextmanager
+def _stop_on_termination() -> Iterator[None]:
+    """SIGTERM / SIGHUP raise ``LaunchInterrupted`` here, so the caller's cleanup runs and kills the ranks.
+
+    Only where the process would otherwise die at once (the default action)
+    and only from the main thread, where Python runs signal handlers; an
+    application's own handler is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def interrupted(signum: int, _frame: Any) -> None:
+        for s, h in previous.items():  # a second signal is not held back by this one's cleanup
+            signal.signal(s, h)
+        raise LaunchInterrupted(signum)
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(s) is signal.SIG_DFL:
+            previous[s] = signal.signal(s, interrupted)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def run_ranks(
     fn: Callable[[RankContext], Any],
     world: int,
@@ -123,50 +271,71 @@ def run_ranks(
     ``linger_s``: once a rank has failed, the others get this long to finish
     (and report their own errors) before they are killed; a rank hung in a
     collective would otherwise hold the run until ``timeout_s``.
+
+    SIGTERM or SIGHUP while it runs kill every rank, then raise
+    ``LaunchInterrupted`` (a ``KeyboardInterrupt``). If this process dies
+    without cleaning up, each rank notices and exits on its own.
     """
     import torch.distributed as dist
+    from multiprocessing import util
 
     ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
+    lifeline, keep_alive = ctx.Pipe(duplex=False)
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world, store.port, dict(kwargs or {}), results, pg_timeout_s or timeout_s),
+            args=(fn, r, world, store.port, dict(kwargs or {}), results, pg_timeout_s or timeout_s, lifeline,
+                  os.getpid(), util.get_temp_dir()),
             name=f"miles-fsm-rank-{r}",
             daemon=True,
         )
         for r in range(world)
     ]
     outcomes: dict[int, RankOutcome] = {}
+    killed: set[int] = set()
     deadline = time.monotonic() + timeout_s
     try:
-        for p in procs:
-            p.start()
-        while len(outcomes) < world and time.monotonic() < deadline:
+        with _stop_on_termination():
             try:
-                rank, result, error, elapsed = results.get(timeout=0.1)
-            except queue.Empty:
-                if not any(p.is_alive() for p in procs):
-                    break  # everyone is gone; drain what is left below
-                continue
-            procs[rank].join(timeout=max(0.0, deadline - time.monotonic()))
-            outcomes[rank] = RankOutcome(rank, procs[rank].exitcode, result, error, elapsed)
-            if on_result is not None:
-                on_result(outcomes[rank])
-            if linger_s is not None and not outcomes[rank].ok:
-                deadline = min(deadline, time.monotonic() + linger_s)
-        _drain(results, procs, outcomes, on_result)
+                for p in procs:
+                    p.start()
+                lifeline.close()  # the ranks hold the read end; this process, the only write end
+                _collect(procs, results, outcomes, on_result, deadline, linger_s)
+                _drain(results, procs, outcomes, on_result)
+            finally:
+                killed = _kill(procs)
     finally:
-        _kill(procs)
         results.close()
         results.cancel_join_thread()
+        keep_alive.close()  # after every rank is gone: none of them may read it as the launcher's death
     for r, p in enumerate(procs):
         if r not in outcomes:
-            outcomes[r] = RankOutcome(r, p.exitcode)
+            outcomes[r] = RankOutcome(r, p.exitcode, killed=r in killed)
             if on_result is not None:
                 on_result(outcomes[r])
     return [outcomes[r] for r in range(world)]
+
+
+def _collect(
+    procs: list[Any], results: Any, outcomes: dict[int, RankOutcome], on_result: Any, deadline: float,
+    linger_s: float | None,
+) -> None:
+    world = len(procs)
+    while len(outcomes) < world and time.monotonic() < deadline:
+        try:
+            rank, result, error, elapsed = results.get(timeout=0.1)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                return  # everyone is gone; the caller drains what is left
+            continue
+        procs[rank].join(timeout=max(0.0, deadline - time.monotonic()))
+        outcomes[rank] = RankOutcome(rank, procs[rank].exitcode, result, error, elapsed)
+        if on_result is not None:
+            on_result(outcomes[rank])
+        if linger_s is not None and not outcomes[rank].ok:
+            deadline = min(deadline, time.monotonic() + linger_s)
 
 
 def _drain(results: Any, procs: list[Any], outcomes: dict[int, RankOutcome], on_result: Any) -> None:
@@ -181,13 +350,19 @@ def _drain(results: Any, procs: list[Any], outcomes: dict[int, RankOutcome], on_
             on_result(outcomes[rank])
 
 
-def _kill(procs: list[Any]) -> None:
-    for p in procs:
+def _kill(procs: list[Any]) -> set[int]:
+    """Stop every rank still alive (SIGTERM, then SIGKILL); the ranks it stopped."""
+    killed = set()
+    for r, p in enumerate(procs):
         if p.is_alive():
             p.terminate()
-    end = time.monotonic() + 2.0
+            killed.add(r)
+    end = time.monotonic() + _TERM_GRACE_S
     for p in procs:
+        if p.pid is None:
+            continue  # it never started: nothing to stop
         p.join(timeout=max(0.0, end - time.monotonic()))
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
             p.join(timeout=5.0)
+    return killed

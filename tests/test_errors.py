@@ -9,6 +9,7 @@ import pytest
 import miles_fsm.apps.errors as app_errors
 import miles_fsm.drivers.errors as driver_errors
 import miles_fsm.errors as engine_errors
+import miles_fsm.launch as launch
 import miles_fsm.states.errors as state_errors
 from miles_fsm.errors import LastSeen, MilesFsmError, describe, plain
 
@@ -46,6 +47,8 @@ SAMPLES = [
     driver_errors.ResumeMemoryError(owner="tms", tag="default", needed=10, free=1),
     driver_errors.WeightChecksumError(engine="e0", against="the pushed tensors", mismatched=["w"], missing=["b"]),
     app_errors.FaultLocatedError(rank=0, culprits=[1], evidence="its pid is gone", cause="PeerLostError"),
+    app_errors.TraceDirUnusableError(path="/ro/traces", reason="Read-only file system"),
+    launch.LauncherLostError(rank=1, launcher_pid=4242),
 ]
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from miles_fsm.apps.demo.config import INJECTION_KINDS, DemoConfig, Injection, fresh_trace_dir
 from miles_fsm.apps.demo.report import print_result
 from miles_fsm.apps.demo.run import run_demo
+from miles_fsm.apps.demo.tracedir import EARLIER_RUNS
+from miles_fsm.apps.errors import TraceDirUnusableError
 from miles_fsm.states import Strategy
 
 __all__ = ["add_parser"]
@@ -23,10 +26,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ranks", type=int, default=2, help="number of ranks (default 2)")
     p.add_argument("--steps", type=int, default=4, help="RL steps per rank (default 4)")
     p.add_argument("--mode", choices=[s.value for s in Strategy], default=Strategy.REMATERIALIZE.value)
-    p.add_argument("--trace-dir", type=Path, default=None, help="default: ./miles-fsm-traces/<timestamp>")
+    p.add_argument(
+        "--trace-dir", type=Path, default=None,
+        help=f"default: ./miles-fsm-traces/<timestamp>; rank traces of earlier runs in it are moved to "
+        f"{EARLIER_RUNS}/<timestamp>/ inside it",
+    )
     p.add_argument(
         "--inject", action="append", default=[], type=_injection, metavar="KIND:RANK:STEP",
-        help=f"fault to inject, KIND in {'|'.join(INJECTION_KINDS)}; repeatable",
+        help=f"fault to inject, KIND in {'|'.join(INJECTION_KINDS)} (stall: a hang inside a collective, "
+        "after its guard); repeatable",
     )
     p.add_argument("--guard-timeout", type=float, default=10.0, help="seconds a guard waits (default 10)")
     p.add_argument("--layers", type=int, default=2, help="model layers (default 2)")
@@ -57,16 +65,34 @@ def _run(args: argparse.Namespace) -> int:
     )
     problems = config.problems()
     if problems:
-        args._parser.error("; ".join(problems))
+        _usage_error(args, "; ".join(problems))
+    from miles_fsm.apps.demo.tracedir import prepare_trace_dir
+
+    try:
+        moved = prepare_trace_dir(config.trace_dir)
+    except TraceDirUnusableError as exc:
+        _usage_error(args, str(exc))
     out.print(
         f"miles-fsm demo: {config.ranks} ranks, {config.steps} steps, {config.mode.value}"
         + (f", injecting {', '.join(map(str, config.injections))}" if config.injections else "")
         + f"; traces in {config.trace_dir}"
     )
+    if moved is not None:
+        out.print(f"moved the rank traces of earlier runs to {moved}", markup=False)
     try:
         result = run_demo(config, out=out)
-    except KeyboardInterrupt:
-        out.print(f"interrupted: every rank was stopped; partial traces in {config.trace_dir}")
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (LaunchInterrupted)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        out.print(
+            f"interrupted ({signal.Signals(signum).name}): every rank was stopped; "
+            f"partial traces in {config.trace_dir}",
+            markup=False,
+        )
+        return 128 + signum
     print_result(result, out)
     return result.exit_code
+
+
+def _usage_error(args: argparse.Namespace, message: str) -> NoReturn:
+    """One line on stderr and exit 2, before any process starts."""
+    args._parser.exit(2, f"miles-fsm demo: error: {message}\n")

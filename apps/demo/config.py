@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,9 +10,18 @@ from typing import Any
 
 from miles_fsm.states import Strategy
 
-__all__ = ["INJECTION_KINDS", "DemoConfig", "Injection", "fresh_trace_dir"]
+__all__ = ["INJECTION_KINDS", "MAX_GUARD_TIMEOUT_S", "MAX_RANKS", "MAX_STEPS", "DemoConfig", "Injection",
+           "fresh_trace_dir"]
 
-INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt")
+#: ``stall`` is a hang after the guard passed, inside the param sync's
+#: all-gather: a collective no guard covers, which only the process group's
+#: own timeout ends.
+INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt", "stall")
+#: One host runs every rank, each with torch loaded (about 0.3 GB) and its gloo connections.
+MAX_RANKS = 64
+MAX_STEPS = 100_000
+#: A day: a longer wait is a hang by any measure, and larger values overflow the store's timers.
+MAX_GUARD_TIMEOUT_S = 86_400.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,18 +68,20 @@ class DemoConfig:
 
     def problems(self) -> list[str]:
         out = []
-        if self.ranks < 1:
-            out.append(f"--ranks must be >= 1, got {self.ranks}")
-        if self.steps < 1:
-            out.append(f"--steps must be >= 1, got {self.steps}")
-        if not self.guard_timeout_s > 0:
-            out.append(f"--guard-timeout must be > 0, got {self.guard_timeout_s}")
+        if not 1 <= self.ranks <= MAX_RANKS:
+            out.append(f"--ranks must be in 1..{MAX_RANKS} (every rank runs on this host), got {self.ranks}")
+        if not 1 <= self.steps <= MAX_STEPS:
+            out.append(f"--steps must be in 1..{MAX_STEPS}, got {self.steps}")
+        if not (math.isfinite(self.guard_timeout_s) and 0 < self.guard_timeout_s <= MAX_GUARD_TIMEOUT_S):
+            out.append(
+                f"--guard-timeout must be finite, > 0 and <= {MAX_GUARD_TIMEOUT_S:.0f} s, got {self.guard_timeout_s}"
+            )
         for inj in self.injections:
             if not 0 <= inj.rank < self.ranks:
                 out.append(f"--inject {inj}: rank must be in 0..{self.ranks - 1}")
             if not 1 <= inj.step <= self.steps:
                 out.append(f"--inject {inj}: step must be in 1..{self.steps}")
-            if inj.kind in ("hang", "diverge") and self.ranks < 2:
+            if inj.kind in ("hang", "diverge", "stall") and self.ranks < 2:
                 out.append(f"--inject {inj}: needs --ranks >= 2 (only a peer's guard can notice it)")
         if self.layers < 1 or self.dim < 1 or self.heads < 1 or self.dim % self.heads:
             out.append(f"--layers and --dim must be >= 1, --dim a multiple of {self.heads} heads")
@@ -79,13 +91,27 @@ class DemoConfig:
 
     @property
     def pg_timeout_s(self) -> float:
-        """Timeout of the trainers' own collectives: a hang inside one still ends in time."""
-        return self.guard_timeout_s + 5.0
+        """Timeout of the trainers' own collectives: a hang inside one still ends in time.
+
+        The brief's contract: every rank is out within the guard timeout plus
+        10 s of a fault. A hang inside a collective costs this timeout, then
+        the survivors' search for a culprit (``locate``, at most 1 s), the
+        linger for the hung rank (``linger_s``) and its kill: G + 2 + 1 + 3.5
+        leaves 3.5 s of the contract for a loaded host. A healthy collective
+        never waits long: the guard before it made every rank arrive together.
+        """
+        return self.guard_timeout_s + 2.0
 
     @property
     def linger_s(self) -> float:
-        """Once a rank failed, how long the others get to report before they are killed."""
-        return 2.0
+        """Once a rank failed, how long the others get to report before they are killed.
+
+        A survivor may need the guard's wait for a lost peer's arrival (2 s,
+        ``miles_fsm.guard``) plus its own ``locate`` (at most 1 s) before it
+        can report; a linger shorter than that kills it with its report
+        unwritten, and its error never names the culprit.
+        """
+        return 3.5
 
     @property
     def run_timeout_s(self) -> float:

@@ -9,7 +9,10 @@ breaks the rank in the place the brief names:
 - ``crash``: the rank SIGKILLs itself inside ``param_sync`` (``restore`` under
   backup) -> the others lose it, in the all-gather or at their next guard;
 - ``corrupt``: a bit flips in the rank's master shard before its restore ->
-  ``VerificationError``, traced back to the shard's owner.
+  ``VerificationError``, traced back to the shard's owner;
+- ``stall``: the rank stops inside its train step, after the train guard
+  passed, while the others wait in its first collective -> only the process
+  group's timeout ends their wait (``DemoConfig.pg_timeout_s``).
 """
 
 from __future__ import annotations
@@ -71,6 +74,11 @@ def demo_trainer_cls() -> type:
             if self.armed == "corrupt":
                 self.flip_master_bit()
             return super().cast_main_to_params()
+
+        def train_step(self, *args: Any, **kwargs: Any) -> Any:
+            if self.armed == "stall":
+                hang_forever()
+            return super().train_step(*args, **kwargs)
 
         def param_sync(self) -> Any:
             # After the guard passed: the peers are inside the all-gather with us when we die.

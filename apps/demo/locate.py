@@ -1,9 +1,11 @@
 """How a failed rank names the rank to blame, from what it can see while the run is live.
 
 Evidence, in order: tensors that failed verification map to the ranks whose
-master shard they come from; the store says which peers published a
-failure; /proc says which peers' processes are gone (each rank publishes its
-pid in the store for this).
+master shard they come from; /proc says which peers' processes are gone
+(each rank publishes its pid in the store for this); the store says which
+peers published a failure. A dead peer outranks a failed one: a rank that
+dies takes its peers' collectives down with it, and those peers publish
+failures of their own a moment later.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from miles_fsm.apps.errors import FaultLocatedError
 __all__ = ["locate", "publish_pid"]
 
 _PID_KEY = "miles_fsm/demo/pid/"
-#: How long a failed rank looks for the peer to blame before giving up.
-_LOCATE_GRACE_S = 2.0
+#: How long a failed rank looks for the peer to blame before giving up
+#: (part of the time budget in ``DemoConfig.pg_timeout_s``).
+_LOCATE_GRACE_S = 1.0
+#: How long a failed peer alone waits for a dead one to show in /proc.
+_DEAD_GRACE_S = 0.3
 
 
 def publish_pid(rank: int) -> None:
@@ -30,6 +35,7 @@ def publish_pid(rank: int) -> None:
 
 def locate(exc: BaseException, *, rank: int, world: int, guard: Any, trainer: Any) -> FaultLocatedError | None:
     """A ``FaultLocatedError`` naming the culprit, when ``exc`` does not name one itself."""
+    from miles_fsm.errors import transport_failure
     from miles_fsm.states.errors import VerificationError
 
     if getattr(exc, "culprits", None) or getattr(exc, "missing", None):
@@ -51,19 +57,37 @@ def locate(exc: BaseException, *, rank: int, world: int, guard: Any, trainer: An
 
     store = dist.distributed_c10d._get_default_store()
     # A peer's sockets close before its process is gone from /proc: give it a moment.
-    deadline = time.monotonic() + _LOCATE_GRACE_S
+    # A timed-out collective means nobody died (a lost peer ends it at once):
+    # the peers that time out with us publish their failures within moments,
+    # and the rank that stays silent is the one that stopped answering.
+    timed_out = transport_failure(exc) == "timeout"
+    start = time.monotonic()
     while True:
         seen = guard.last_seen()
         failed = {r: s for r, s in seen.items() if r != rank and s is not None and s.phase.startswith("failed")}
+        # A peer that published its failure and then exited reported; one gone without a word did not.
         dead = [r for r in range(world) if r != rank and r not in failed and not _alive(store, r)]
-        culprits = sorted([*failed, *dead])
-        if culprits or time.monotonic() >= deadline:
+        if dead:
+            evidence = "; ".join(f"rank {r}: process gone without reporting" for r in dead)
+            return FaultLocatedError(rank=rank, culprits=dead, evidence=evidence, cause=cause)
+        waited = time.monotonic() - start
+        if waited >= _LOCATE_GRACE_S or (failed and not timed_out and waited >= _DEAD_GRACE_S):
             break
         time.sleep(0.05)
-    if not culprits:
+    silent = [r for r in range(world) if r != rank and r not in failed]
+    if timed_out and silent:
+        return FaultLocatedError(
+            rank=rank,
+            culprits=silent,
+            evidence=f"a collective timed out and rank(s) {', '.join(map(str, silent))} published no failure: "
+            "alive but not answering (hung inside the collective, or stopped)",
+            cause=cause,
+        )
+    if not failed:
         return None
-    evidence = [str(s) for s in failed.values()] + [f"rank {r}: process gone without reporting" for r in dead]
-    return FaultLocatedError(rank=rank, culprits=culprits, evidence="; ".join(evidence), cause=cause)
+    return FaultLocatedError(
+        rank=rank, culprits=sorted(failed), evidence="; ".join(str(s) for s in failed.values()), cause=cause
+    )
 
 
 def _alive(store: Any, rank: int) -> bool:

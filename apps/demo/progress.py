@@ -2,7 +2,8 @@
 
 On a terminal, a rich progress bar; otherwise one line per step verified on
 every rank, and one per rank failure, as they happen. The traces are tailed,
-not re-read: each poll parses only the lines completed since the last one.
+not re-read: each poll parses only the lines completed since the last one,
+and only records of this run (their ``run`` field) count.
 """
 
 from __future__ import annotations
@@ -25,19 +26,26 @@ _FAILED = (TRANSITION_FAILED, DEMO_FAILED)
 
 
 class _Tail:
-    """The records appended to one rank's trace since the last read."""
+    """The records of run ``run`` appended to one rank's trace since the last read.
 
-    def __init__(self, path: Path) -> None:
+    Records of other runs (an earlier run's file that is still there, another
+    run writing into the same directory) are skipped by their ``run`` field.
+    When the file at ``path`` is replaced (rotated, moved aside) the new one
+    is read from its start.
+    """
+
+    def __init__(self, path: Path, run: str) -> None:
         self._path = path
+        self._run = run
+        self._inode: int | None = None
         self._offset = 0
-        # A file there before the ranks start is an earlier run's: its rank renames it away on start.
-        self._stale = _inode(path)
 
     def records(self) -> list[dict[str, Any]]:
         try:
             with open(self._path, "rb") as f:
-                if os.fstat(f.fileno()).st_ino == self._stale:
-                    return []
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._inode or st.st_size < self._offset:
+                    self._inode, self._offset = st.st_ino, 0
                 f.seek(self._offset)
                 chunk = f.read()
         except FileNotFoundError:  # the rank has not opened its trace yet
@@ -51,27 +59,20 @@ class _Tail:
                 rec = orjson.loads(line)
             except orjson.JSONDecodeError:
                 continue  # a damaged line only loses a progress tick; the report's reader lists it
-            if isinstance(rec, dict):
+            if isinstance(rec, dict) and rec.get("run") == self._run:
                 out.append(rec)
         return out
-
-
-def _inode(path: Path) -> int | None:
-    try:
-        return path.stat().st_ino
-    except FileNotFoundError:
-        return None
 
 
 class Progress:
     """Follows the ranks' traces from a thread and reports finished steps."""
 
-    def __init__(self, config: DemoConfig, out: Any) -> None:
+    def __init__(self, config: DemoConfig, out: Any, *, run: str) -> None:
         self._config = config
         self._out = out
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="miles-fsm-demo-progress", daemon=True)
-        self._tails = [_Tail(trace_path(config.trace_dir, r)) for r in range(config.ranks)]
+        self._tails = [_Tail(trace_path(config.trace_dir, r), run) for r in range(config.ranks)]
         self._done = [0] * config.ranks
         self._reported = 0
 

@@ -62,10 +62,14 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
             guard=GuardConfig(timeout_s=kw["guard_timeout_s"]),
             verify=VerifyConfig(cycles=None),
             trace_dir=Path(kw["trace_dir"]),
+            run_id=kw["run_id"],
         ),
         guard=guard,
         trace_meta={"demo": {"steps": kw["steps"], "injections": [":".join(map(str, i)) for i in kw["injections"]]}},
     )
+    # A rank whose launcher died closes its trace with that error, so the
+    # trace never reads as a run that ended well.
+    ctx.on_launcher_lost(lambda error: lc.close(error=error))
     rows: list[dict[str, Any]] = []
     held: dict[str, int] = {}
     verified: list[int] = []

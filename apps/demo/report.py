@@ -1,8 +1,16 @@
 """How a demo run ended: the result, whom to blame, and the summary the CLI prints.
 
-Blame comes first from what only the live run knows (the errors the ranks
-returned, with the culprits they located, and their exit codes); where that
-names no one, from the replay diagnosis of the run's traces.
+Blame follows the strength of the evidence, so the same fault names the
+same rank on every run however the ranks' views raced:
+
+1. ranks that died on their own (killed by a signal or exiting non-zero
+   without reporting, and not stopped by the launcher): a dead process is
+   a fact, and every error its peers saw afterwards is its consequence;
+2. the ranks the errors name (their ``culprits`` / ``missing`` fields), by
+   how many errors name them; ties name every tied rank;
+3. the replay diagnosis of the run's traces (a hang inside a collective
+   leaves only a gloo timeout on the survivors: the trace says who stopped);
+4. the ranks that reported an error.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ class DemoResult:
     """How a demo run ended, for the CLI, tests and the benchmark."""
 
     config: DemoConfig
+    run_id: str
     outcomes: tuple[RankOutcome, ...]
     wall_s: float
     verified: dict[int, int]
@@ -94,18 +103,18 @@ def blame(
         elif o.ok:
             lines.append(f"rank {o.rank}: finished")
         else:
-            if o.exitcode is not None and o.exitcode < 0 and -o.exitcode == signal.SIGTERM:
+            if o.killed:
                 how = "stopped by the demo after another rank failed: it was blocked or hung"
             else:
                 how = f"died without reporting ({_exit_text(o.exitcode)})"
                 died.append(o.rank)
             lines.append(f"rank {o.rank}: {how}; its trace ends with {trace_end(traces.get(o.rank))}")
     from_traces = replay is not None and replay.culprit is not None and bool(replay.culprit["ranks"])
-    if named:
+    if died:
+        culprits = tuple(died)
+    elif named:
         top = max(named.values())
         culprits = tuple(sorted(r for r, n in named.items() if n == top))
-    elif died:
-        culprits = tuple(died)
     elif from_traces:
         culprits = tuple(replay.culprit["ranks"])
         lines.append(f"from the traces: {replay.verdict}: {replay.headline}")

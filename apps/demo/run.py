@@ -10,24 +10,35 @@ from miles_fsm.apps.demo.config import DemoConfig
 from miles_fsm.apps.demo.progress import Progress
 from miles_fsm.apps.demo.rank import rank_main
 from miles_fsm.apps.demo.report import DemoResult, blame
+from miles_fsm.apps.demo.tracedir import prepare_trace_dir, trace_run
 from miles_fsm.diagnosis import diagnose
 from miles_fsm.launch import run_ranks
-from miles_fsm.trace_files import find_traces
-from miles_fsm.trace_model import RankTrace, TraceDirError
+from miles_fsm.trace_model import RankTrace
 from miles_fsm.trace_reader import read_ranks
+from miles_fsm.tracing import new_run_id, trace_path
 
 __all__ = ["run_demo"]
 
 
 def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
-    """Run the demo and print progress to ``out`` (a rich Console; None: quiet)."""
+    """Run the demo and print progress to ``out`` (a rich Console; None: quiet).
+
+    Raises ``ConfigError`` for a bad config and ``TraceDirUnusableError`` for
+    a trace directory it cannot use, both before any rank starts. Rank
+    traces of earlier runs in the directory are moved aside first
+    (``tracedir``).
+    """
     problems = config.problems()
     if problems:
         from miles_fsm.errors import ConfigError
 
         raise ConfigError(problems, "demo")
-    config.trace_dir.mkdir(parents=True, exist_ok=True)
-    watcher = Progress(config, out) if out is not None else None
+    moved = prepare_trace_dir(config.trace_dir)
+    if moved is not None and out is not None:
+        out.print(f"moved the rank traces of earlier runs to {moved}", markup=False)
+    # One id for every rank, made here: progress and the report read this run's records only.
+    run = new_run_id()
+    watcher = Progress(config, out, run=run) if out is not None else None
     started = time.monotonic()
     if watcher is not None:
         watcher.start()
@@ -36,7 +47,7 @@ def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
             rank_main,
             config.ranks,
             timeout_s=config.run_timeout_s,
-            kwargs=config.to_kwargs(),
+            kwargs={**config.to_kwargs(), "run_id": run},
             pg_timeout_s=config.pg_timeout_s,
             linger_s=config.linger_s,
         )
@@ -44,12 +55,13 @@ def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
         if watcher is not None:
             watcher.stop()
     wall = time.monotonic() - started
-    traces = _read_traces(config.trace_dir, config.ranks)
+    traces = _read_traces(config.trace_dir, config.ranks, run)
     failed = not all(o.ok for o in outcomes)
     replay = diagnose(list(traces.values()), expected=range(config.ranks)) if failed and traces else None
     culprits, diagnosis = blame(outcomes, traces, replay)
     return DemoResult(
         config=config,
+        run_id=run,
         outcomes=tuple(outcomes),
         wall_s=wall,
         verified={r: traces[r].verified if r in traces else 0 for r in range(config.ranks)},
@@ -58,11 +70,7 @@ def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
     )
 
 
-def _read_traces(trace_dir: Path, ranks: int) -> dict[int, RankTrace]:
-    """This run's traces, folded by the replay reader; files of ranks outside the run are older runs'."""
-    try:
-        files = find_traces(trace_dir)
-    except TraceDirError:
-        # run_demo made the directory, so no rank wrote a trace: every rank's report says so.
-        return {}
-    return {t.rank: t for t in read_ranks({r: p for r, p in files.items() if r < ranks})}
+def _read_traces(trace_dir: Path, ranks: int, run: str) -> dict[int, RankTrace]:
+    """This run's traces, folded by the replay reader: a rank whose file is not this run's has none."""
+    files = {r: p for r in range(ranks) if trace_run(p := trace_path(trace_dir, r)) == run}
+    return {t.rank: t for t in read_ranks(files)} if files else {}
