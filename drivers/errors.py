@@ -24,15 +24,25 @@ __all__ = [
 
 
 class IneligibleModelError(MilesFsmError, ValueError):
-    """The model's structure makes rematerialize unsafe."""
+    """The model's structure makes rematerialize unsafe.
 
-    def __init__(self, params: Sequence[str], reason: str) -> None:
+    ``suggestions``, when given, holds one hint per param, in the order of
+    ``params`` (``drivers/eligibility.py`` builds them).
+    """
+
+    def __init__(self, params: Sequence[str], reason: str, suggestions: Sequence[str] = ()) -> None:
         self.params = tuple(params)
         self.reason = reason
+        self.suggestions = tuple(suggestions)
+        hints = ""
+        if self.suggestions:
+            shown = [f"{n}: {s}" for n, s in zip(self.params[:8], self.suggestions[:8])]
+            more = len(self.params) - len(shown)
+            hints = "\n  - " + "\n  - ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
         super().__init__(
             f"rematerialize cannot rebuild {len(self.params)} param(s): {list_names(self.params)} "
             f"({reason}). Put them in a DDP param buffer or among the backed-up extras, or "
-            "use the backup strategy."
+            f"use the backup strategy.{hints}"
         )
 
 
