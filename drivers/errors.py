@@ -12,6 +12,7 @@ from miles_fsm.errors import MilesFsmError, list_names
 
 __all__ = [
     "BufferRoutingError",
+    "CudaAvailableError",
     "EngineRequestError",
     "EngineSessionError",
     "EngineUpdateError",
@@ -19,6 +20,7 @@ __all__ = [
     "IneligibleModelError",
     "MissingDependencyError",
     "ResumeMemoryError",
+    "UnsupportedVersionError",
     "WeightChecksumError",
 ]
 
@@ -43,6 +45,35 @@ class IneligibleModelError(MilesFsmError, ValueError):
             f"rematerialize cannot rebuild {len(self.params)} param(s): {list_names(self.params)} "
             f"({reason}). Put them in a DDP param buffer or among the backed-up extras, or "
             f"use the backup strategy.{hints}"
+        )
+
+
+class UnsupportedVersionError(MilesFsmError, RuntimeError):
+    """An installed package's version is outside the range a driver was checked against."""
+
+    def __init__(self, *, package: str, found: str, supported: str, needed_for: str) -> None:
+        self.package = package
+        self.found = found
+        self.supported = supported
+        self.needed_for = needed_for
+        super().__init__(
+            f"{needed_for} was checked against {package} {supported}, but {package} {found} is installed. "
+            f"It patches {package} internals that move between releases, so it would fail far from here "
+            f"or patch the wrong thing; install {package} {supported}."
+        )
+
+
+class CudaAvailableError(MilesFsmError, RuntimeError):
+    """A CPU-only opt-in was asked for in a process that can use CUDA."""
+
+    def __init__(self, *, devices: int, needed_for: str) -> None:
+        self.devices = devices
+        self.needed_for = needed_for
+        super().__init__(
+            f"{needed_for} refused: CUDA is available ({devices} device(s)). It replaces "
+            "torch.cuda.current_device, the CUDA RNG calls and 'cuda' device arguments for the whole "
+            "process, which would break every CUDA use in it. Run megatron on the GPU, or pass "
+            "force=True to run it on the CPU anyway (tests, demos)."
         )
 
 
