@@ -43,12 +43,17 @@ import threading
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from miles_fsm.drivers.errors import CudaAvailableError, MissingDependencyError, UnsupportedVersionError
+from miles_fsm.states import Strategy
+
+if TYPE_CHECKING:
+    from miles_fsm.drivers.cpu_memory import CpuMemorySaver
+    from miles_fsm.drivers.megatron_gpt import GptConfig, GptTrainer
 
 __all__ = ["PATCHES", "SUPPORTED", "CpuPatches", "build_cpu_gpt_trainer", "enable", "enabled", "supported"]
 
@@ -181,12 +186,12 @@ def _apply() -> None:
 
 def build_cpu_gpt_trainer(
     *,
-    strategy: Any = "rematerialize",
-    gpt: Any = None,
-    saver: Any = None,
+    strategy: Strategy | str = Strategy.REMATERIALIZE,
+    gpt: GptConfig | None = None,
+    saver: CpuMemorySaver | None = None,
     force: bool = False,
     **settings: Any,
-) -> Any:
+) -> GptTrainer:
     """``enable()``, then a tiny bf16 GPT under DDP + distributed optimizer, and its trainer driver.
 
     Needs the default process group (gloo), like any megatron model; each

@@ -31,7 +31,7 @@ from miles_fsm.errors import ConfigError
 from miles_fsm.plan import Collective
 from miles_fsm.states import TRAINER_TAGS, Step, StepKind, Strategy
 
-__all__ = ["GptConfig", "GptTrainer", "TinyGpt", "build_tiny_gpt"]
+__all__ = ["GptConfig", "GptTrainer", "TinyGpt", "build_tiny_gpt", "train_step"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,36 +191,42 @@ class GptTrainer(MegatronTrainer):
         return (*out, *self.collectives(Step(StepKind.PARAM_SYNC)))
 
     def train_step(self, *, step: int, tokens: torch.Tensor | None = None) -> float:
-        """One real train step; returns the loss. Refused unless every trainer tag is resident.
-
-        ``tokens`` is ``[batch, seq]`` of ids below the vocab; by default each
-        rank draws its own (seeded by rank and step), so the ranks' gradients
-        differ and the reduce-scatter and all-gather matter.
-        """
+        """``train_step`` on the GPT; refused unless every trainer tag is resident. Returns the loss."""
         self._require_resident("train", TRAINER_TAGS)
-        cfg = self.model.config
-        if tokens is None:
-            g = torch.Generator().manual_seed(1000 * step + (dist.get_rank() if dist.is_initialized() else 0))
-            tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
-        labels = torch.roll(tokens, -1, dims=1)
-        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
-        with _quiet():
-            for chunk in self.chunks:
-                chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            losses = [chunk(tokens, position_ids, None, labels=labels) for chunk in self.chunks]
-            loss = sum(l.float().mean() for l in losses)
-            loss.backward()
-            for chunk in self.chunks:
-                chunk.finish_grad_sync()
-            ok, _, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError(f"optimizer step {step} was skipped (non-finite grads)")
-        # Expert-bias-like buffers are updated outside the optimizer, as routers do.
-        for name, buf in self.chunks[0].module.named_buffers():
-            if name.endswith("expert_bias"):
-                buf.add_(0.001 * (step + 1))
+        loss = train_step(self.model, step=step, tokens=tokens)
         if not self._moments_in_tag:
             self._to_tag()
             self._moments_in_tag = True
-        return float(loss.detach())
+        return loss
+
+
+def train_step(model: TinyGpt, *, step: int, tokens: torch.Tensor | None = None) -> float:
+    """One real train step: forward, backward, grad reduce-scatter, optimizer step (and its all-gather).
+
+    ``tokens`` is ``[batch, seq]`` of ids below the vocab; by default each
+    rank draws its own (seeded by rank and step), so the ranks' gradients
+    differ and the reduce-scatter and all-gather matter. Returns the loss.
+    """
+    cfg = model.config
+    if tokens is None:
+        g = torch.Generator().manual_seed(1000 * step + (dist.get_rank() if dist.is_initialized() else 0))
+        tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g)
+    labels = torch.roll(tokens, -1, dims=1)
+    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
+    with _quiet():
+        for chunk in model.chunks:
+            chunk.zero_grad_buffer()
+        model.optimizer.zero_grad()
+        losses = [chunk(tokens, position_ids, None, labels=labels) for chunk in model.chunks]
+        loss = sum(l.float().mean() for l in losses)
+        loss.backward()
+        for chunk in model.chunks:
+            chunk.finish_grad_sync()
+        ok, _, _ = model.optimizer.step()
+    if not ok:
+        raise RuntimeError(f"optimizer step {step} was skipped (non-finite grads)")
+    # Expert-bias-like buffers are updated outside the optimizer, as routers do.
+    for name, buf in model.chunks[0].module.named_buffers():
+        if name.endswith("expert_bias"):
+            buf.add_(0.001 * (step + 1))
+    return float(loss.detach())

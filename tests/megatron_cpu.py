@@ -2,7 +2,8 @@
 
 Every rank runs only shipped code: ``miles_fsm.drivers.megatron_cpu.enable()``
 (the opt-in CPU patches) and the tiny GPT of ``drivers/megatron_gpt.py``.
-Nothing here patches megatron or torch.
+Nothing here patches megatron or torch to make it run (``_CollectiveLog``
+only wraps the collectives, to watch what a train step issues).
 """
 
 from __future__ import annotations
@@ -12,11 +13,18 @@ from typing import Any
 
 import torch
 
+# Other test modules' rank functions build their GPT from these; all three are shipped code.
+from miles_fsm.drivers.megatron_cpu import enable as apply_cpu_patches
+from miles_fsm.drivers.megatron_gpt import build_tiny_gpt, train_step
+
 __all__ = [
+    "apply_cpu_patches",
+    "build_tiny_gpt",
     "megatron_available",
     "rank_demo_cycles",
     "rank_full_cycles",
     "rank_structure_and_divergence",
+    "train_step",
 ]
 
 
