@@ -12,6 +12,7 @@ from miles_fsm.errors import MilesFsmError, list_names
 
 __all__ = [
     "BufferRoutingError",
+    "CudaAvailableError",
     "EngineRequestError",
     "EngineSessionError",
     "EngineUpdateError",
@@ -19,20 +20,60 @@ __all__ = [
     "IneligibleModelError",
     "MissingDependencyError",
     "ResumeMemoryError",
+    "UnsupportedVersionError",
     "WeightChecksumError",
 ]
 
 
 class IneligibleModelError(MilesFsmError, ValueError):
-    """The model's structure makes rematerialize unsafe."""
+    """The model's structure makes rematerialize unsafe.
 
-    def __init__(self, params: Sequence[str], reason: str) -> None:
+    ``suggestions``, when given, holds one hint per param, in the order of
+    ``params`` (``drivers/eligibility.py`` builds them).
+    """
+
+    def __init__(self, params: Sequence[str], reason: str, suggestions: Sequence[str] = ()) -> None:
         self.params = tuple(params)
         self.reason = reason
+        self.suggestions = tuple(suggestions)
+        hints = ""
+        if self.suggestions:
+            shown = [f"{n}: {s}" for n, s in zip(self.params[:8], self.suggestions[:8])]
+            more = len(self.params) - len(shown)
+            hints = "\n  - " + "\n  - ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
         super().__init__(
             f"rematerialize cannot rebuild {len(self.params)} param(s): {list_names(self.params)} "
             f"({reason}). Put them in a DDP param buffer or among the backed-up extras, or "
-            "use the backup strategy."
+            f"use the backup strategy.{hints}"
+        )
+
+
+class UnsupportedVersionError(MilesFsmError, RuntimeError):
+    """An installed package's version is outside the range a driver was checked against."""
+
+    def __init__(self, *, package: str, found: str, supported: str, needed_for: str) -> None:
+        self.package = package
+        self.found = found
+        self.supported = supported
+        self.needed_for = needed_for
+        super().__init__(
+            f"{needed_for} was checked against {package} {supported}, but {package} {found} is installed. "
+            f"It patches {package} internals that move between releases, so it would fail far from here "
+            f"or patch the wrong thing; install {package} {supported}."
+        )
+
+
+class CudaAvailableError(MilesFsmError, RuntimeError):
+    """A CPU-only opt-in was asked for in a process that can use CUDA."""
+
+    def __init__(self, *, devices: int, needed_for: str) -> None:
+        self.devices = devices
+        self.needed_for = needed_for
+        super().__init__(
+            f"{needed_for} refused: CUDA is available ({devices} device(s)). It replaces "
+            "torch.cuda.current_device, the CUDA RNG calls and 'cuda' device arguments for the whole "
+            "process, which would break every CUDA use in it. Run megatron on the GPU, or pass "
+            "force=True to run it on the CPU anyway (tests, demos)."
         )
 
 

@@ -32,7 +32,8 @@ always keep full host copies.
 Whether rematerialize is safe is decided from the model's *structure* when
 the driver is built: a param outside every DDP param buffer (a frozen
 ``nn.Parameter`` is the known case) and not among the extras cannot be
-rebuilt, so construction raises ``IneligibleModelError`` naming it.
+rebuilt, so construction raises ``IneligibleModelError`` naming it, with a
+suggestion per param (``drivers/eligibility.py``).
 
 The collective plan (``collectives``) and the tensor set (``tensor_set``)
 read only rank-uniform facts: bucket layout, names, shapes, dtypes. Neither
@@ -58,7 +59,8 @@ from typing import Any, Protocol
 
 import torch
 
-from miles_fsm.drivers.errors import HostCopyMissingError, IneligibleModelError
+from miles_fsm.drivers.eligibility import Eligibility, rematerialize_eligibility
+from miles_fsm.drivers.errors import HostCopyMissingError
 from miles_fsm.drivers.megatron_buffers import chunk_buffers, ddp_buffers_in_tags
 from miles_fsm.drivers.megatron_config import MegatronDriverConfig, megatron_facts
 from miles_fsm.drivers.megatron_optimizer import (
@@ -131,9 +133,13 @@ class MegatronTrainer:
             host=self._host,
             enabled=self._config.optimizer_offload == "driver",
         )
+        # Rematerialize rebuilds only what sits in a DDP param buffer; anything else must be an extra.
+        self._eligibility = rematerialize_eligibility(
+            self._named_params(), in_buffers=self._in_buffers(), extras=self._config.extra_params
+        )
         self._check_megatron_agrees()
         if self.strategy is Strategy.REMATERIALIZE:
-            self._check_eligible()
+            self._eligibility.raise_if_ineligible()
         self._extra_param_names = self._find_extra_params()
 
     # ------------------------------------------------------------- structure
@@ -149,6 +155,16 @@ class MegatronTrainer:
     @property
     def chunks(self) -> tuple[Any, ...]:
         return self._chunks
+
+    @property
+    def optimizer(self) -> Any:
+        """The (chained) optimizer the driver was built with."""
+        return self._optimizer
+
+    @property
+    def eligibility(self) -> Eligibility:
+        """The params outside every DDP param buffer and not among the extras (refused under rematerialize)."""
+        return self._eligibility
 
     @property
     def inner_optimizers(self) -> tuple[Any, ...]:
@@ -191,26 +207,10 @@ class MegatronTrainer:
                         f"inner optimizer {k} is a {type(opt).__name__}, not a DistributedOptimizer: "
                         "it holds no fp32 master shards to rematerialize from"
                     )
-        known = {n for n, _ in self._named_params()}
-        unknown = sorted(set(self._config.extra_params) - known)
-        if unknown:
-            problems.append(f"extra_params names params the model does not have: {', '.join(unknown)}")
+        for unknown in self._eligibility.unknown_extras:
+            problems.append(f"extra_params: {unknown.hint}")
         if problems:
             raise ConfigError(problems, "MegatronTrainer (config vs. megatron objects)")
-
-    def _check_eligible(self) -> None:
-        """Rematerialize rebuilds only what sits in a DDP param buffer; refuse anything else."""
-        in_buffers = self._in_buffers()
-        extras = set(self._config.extra_params)
-        outside = [(n, p) for n, p in self._named_params() if id(p) not in in_buffers and n not in extras]
-        if outside:
-            frozen = [n for n, p in outside if not p.requires_grad]
-            reason = (
-                "frozen (requires_grad=False), so DDP gave them no param buffer"
-                if len(frozen) == len(outside)
-                else "not in any DDP param buffer (buffers + expert_parallel_buffers)"
-            )
-            raise IneligibleModelError([n for n, _ in outside], reason)
 
     def _find_extra_params(self) -> tuple[str, ...]:
         """Params rematerialize cannot rebuild: fp32 ones (their master is the param buffer itself),

@@ -33,14 +33,15 @@ owned shard and the collectives. ``ModelConfig`` is re-exported: a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver, MemorySaver
-from miles_fsm.drivers.errors import HostCopyMissingError, IneligibleModelError
+from miles_fsm.drivers.eligibility import rematerialize_eligibility
+from miles_fsm.drivers.errors import HostCopyMissingError
 from miles_fsm.drivers.reference_model import ModelConfig, WeightSpec, forward, initial_value, weight_specs
 from miles_fsm.errors import ConfigError, MemoryReleasedError
 from miles_fsm.plan import Collective, TensorSet
@@ -100,10 +101,6 @@ class ReferenceTrainer:
         self._buffered = [s for s in specs if s.kind == "param" and s.name not in frozen]
         self._extras = [s for s in specs if s.kind != "param"]
         self._frozen = [s for s in specs if s.name in frozen]
-        if self.strategy is Strategy.REMATERIALIZE and self._frozen:
-            raise IneligibleModelError(
-                [s.name for s in self._frozen], "frozen: outside the flat param buffer and not among the extras"
-            )
         numel = sum(s.numel for s in self._buffered)
         self.padded_numel = -(-numel // self.world) * self.world
         self.shard_numel = self.padded_numel // self.world
@@ -132,6 +129,11 @@ class ReferenceTrainer:
         self.params = {s.name: self.flat[slice(*self._offsets[s.name])].view(s.shape) for s in self._buffered}
         self.extras = _views(self.extras_flat, self._extras)
         self.frozen = _views(frozen_flat, self._frozen)
+        if self.strategy is Strategy.REMATERIALIZE:
+            # The same structural check as megatron's: a param outside the flat buffer cannot be rebuilt.
+            rematerialize_eligibility(
+                {**self.params, **self.frozen}.items(), in_buffers=_sharing(self.flat)
+            ).raise_if_ineligible()
         gen = torch.Generator().manual_seed(cfg.seed)
         for s in specs:  # same seed, same order on every rank: identical init
             value = initial_value(s, gen)
@@ -353,6 +355,12 @@ def _views(flat: torch.Tensor, specs: list[WeightSpec]) -> dict[str, torch.Tenso
         out[s.name] = flat[off : off + s.numel].view(s.shape)
         off += s.numel
     return out
+
+
+def _sharing(flat: torch.Tensor) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor is a view into ``flat``'s storage."""
+    ptr = flat.untyped_storage().data_ptr()
+    return lambda t: t.untyped_storage().data_ptr() == ptr
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:

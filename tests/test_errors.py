@@ -37,7 +37,10 @@ SAMPLES = [
     state_errors.MemoryTagError(side="trainer", tag="default", op="pause", paused=["default"]),
     state_errors.WeightVersionError(engine="e0", expected="2", actual="1"),
     state_errors.DriverProtocolError(role="trainer", driver="MyTrainer", missing=["tensor_set"], protocol="TrainerDriver"),
-    driver_errors.IneligibleModelError(["frozen.weight"], "not in a DDP buffer"),
+    driver_errors.IneligibleModelError(["frozen.weight"], "not in a DDP buffer", ["unfreeze it"]),
+    driver_errors.UnsupportedVersionError(package="megatron-core", found="0.19.2", supported="0.16.x",
+                                          needed_for="megatron on CPU"),  # fmt: skip
+    driver_errors.CudaAvailableError(devices=1, needed_for="megatron on CPU"),
     driver_errors.EngineRequestError(engine="e0", op="flush_cache", status=400, message="busy"),
     driver_errors.EngineSessionError(engine="e0", op="begin", detail="open"),
     driver_errors.EngineUpdateError(engine="e0", op="update", status=500, message="boom", closed=["e1"],
