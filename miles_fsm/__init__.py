@@ -19,6 +19,7 @@ _EXPORTS = {
     "ConfigError": "miles_fsm.errors",
     "DEFINITION": "miles_fsm.states",
     "Definition": "miles_fsm.definition",
+    "CudaAvailableError": "miles_fsm.drivers.errors",
     "DIGEST_SCHEME": "miles_fsm.digest",
     "DefinitionError": "miles_fsm.errors",
     "DriverProtocolError": "miles_fsm.states.errors",
@@ -37,6 +38,7 @@ _EXPORTS = {
     "IneligibleModelError": "miles_fsm.drivers.errors",
     "Intent": "miles_fsm.plan",
     "LastSeen": "miles_fsm.errors",
+    "LauncherLostError": "miles_fsm.launch",
     "Lifecycle": "miles_fsm.states.lifecycle",
     "LifecycleConfig": "miles_fsm.config",
     "Machine": "miles_fsm.machine",
@@ -67,6 +69,7 @@ _EXPORTS = {
     "Strategy": "miles_fsm.states",
     "TensorSet": "miles_fsm.plan",
     "TensorSetChangedError": "miles_fsm.states.errors",
+    "UnsupportedVersionError": "miles_fsm.drivers.errors",
     "TensorSpec": "miles_fsm.plan",
     "TrainerDriver": "miles_fsm.states.protocols",
     "Transition": "miles_fsm.definition",
@@ -108,6 +111,7 @@ if TYPE_CHECKING:
     )
     from miles_fsm.drivers.errors import (  # noqa: F401
         BufferRoutingError,
+        CudaAvailableError,
         EngineRequestError,
         EngineSessionError,
         EngineUpdateError,
@@ -115,6 +119,7 @@ if TYPE_CHECKING:
         IneligibleModelError,
         MissingDependencyError,
         ResumeMemoryError,
+        UnsupportedVersionError,
         WeightChecksumError,
     )
     from miles_fsm.errors import (  # noqa: F401
@@ -135,6 +140,9 @@ if TYPE_CHECKING:
     )
     from miles_fsm.guard import (  # noqa: F401
         Guard,
+    )
+    from miles_fsm.launch import (  # noqa: F401
+        LauncherLostError,
     )
     from miles_fsm.machine import (  # noqa: F401
         Failure,

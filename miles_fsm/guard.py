@@ -242,11 +242,12 @@ class Guard:
         while True:
             seen = self.last_seen()
             missing = [r for r in range(self.world) if not self._arrived(intent, seen[r])]
-            if not missing or time.monotonic() >= deadline:
+            # Stop waiting once every rank that has not arrived has said it failed: none will come.
+            if not missing or all(_failed(seen[r]) for r in missing) or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
         # Ranks that published a failure are not missing: they are failing with us.
-        missing = [r for r in missing if seen[r] is None or not seen[r].phase.startswith("failed")]
+        missing = [r for r in missing if not _failed(seen[r])]
         last = {r: self._best_sighting(r, seen[r]) for r in missing}
         if timed_out:
             return GuardTimeoutError(
@@ -374,6 +375,10 @@ def _tensor_set_detail(intents: "Sequence[Intent]", groups: dict[str, list[int]]
         odd = sorted({s.name for s in set.union(*specs) - set.intersection(*specs)})
         parts.append("same names, different shape or dtype for " + ", ".join(odd[:8]))
     return "; ".join(parts)
+
+
+def _failed(seen: LastSeen | None) -> bool:
+    return seen is not None and seen.phase.startswith("failed")
 
 
 def _env_world_size() -> int:
