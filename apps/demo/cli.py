@@ -7,7 +7,7 @@ import signal
 from pathlib import Path
 from typing import Any, NoReturn
 
-from miles_fsm.apps.demo.config import INJECTION_KINDS, DemoConfig, Injection, fresh_trace_dir
+from miles_fsm.apps.demo.config import INJECTION_KINDS, LAUNCHERS, TRAINERS, DemoConfig, Injection, fresh_trace_dir
 from miles_fsm.apps.demo.report import print_result
 from miles_fsm.apps.demo.run import run_demo
 from miles_fsm.apps.demo.tracedir import EARLIER_RUNS
@@ -37,6 +37,12 @@ def add_parser(sub: Any) -> None:
         "after its guard); repeatable",
     )
     p.add_argument("--guard-timeout", type=float, default=10.0, help="seconds a guard waits (default 10)")
+    p.add_argument("--trainer", choices=TRAINERS, default="reference",
+                   help="reference: the pure-torch trainer and engine (default); megatron: real megatron-core "
+                   "DDP + distributed optimizer on CPU gloo (needs megatron-core 0.16; no engine, no --inject)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="local",
+                   help="local: processes on this host (default); ray: Ray actors (needs ray). Under torchrun "
+                   "(torchrun --nproc-per-node N -m miles_fsm demo) each worker runs one rank")
     p.add_argument("--layers", type=int, default=2, help="model layers (default 2)")
     p.add_argument("--dim", type=int, default=32, help="model width (default 32)")
     p.set_defaults(run=_run, _parser=p)
@@ -62,6 +68,8 @@ def _run(args: argparse.Namespace) -> int:
         guard_timeout_s=args.guard_timeout,
         layers=args.layers,
         dim=args.dim,
+        trainer=args.trainer,
+        launcher=args.launcher,
     )
     problems = config.problems()
     if problems:

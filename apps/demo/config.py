@@ -10,7 +10,7 @@ from typing import Any
 
 from miles_fsm.states import Strategy
 
-__all__ = ["INJECTION_KINDS", "MAX_GUARD_TIMEOUT_S", "MAX_RANKS", "MAX_STEPS", "DemoConfig", "Injection",
+__all__ = ["INJECTION_KINDS", "LAUNCHERS", "MAX_GUARD_TIMEOUT_S", "TRAINERS", "MAX_RANKS", "MAX_STEPS", "DemoConfig", "Injection",
            "fresh_trace_dir"]
 
 #: ``stall`` is a hang after the guard passed, inside the param sync's
@@ -20,6 +20,8 @@ INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt", "stall")
 #: One host runs every rank, each with torch loaded (about 0.3 GB) and its gloo connections.
 MAX_RANKS = 64
 MAX_STEPS = 100_000
+TRAINERS = ("reference", "megatron")
+LAUNCHERS = ("local", "ray")
 #: A day: a longer wait is a hang by any measure, and larger values overflow the store's timers.
 MAX_GUARD_TIMEOUT_S = 86_400.0
 
@@ -65,6 +67,10 @@ class DemoConfig:
     batch: int = 4
     prompt_len: int = 4
     new_tokens: int = 8
+    #: ``reference`` (the pure-torch trainer and engine) or ``megatron`` (real megatron-core on CPU, no engine).
+    trainer: str = "reference"
+    #: ``local`` (processes from a forkserver) or ``ray`` (Ray actors).
+    launcher: str = "local"
 
     def problems(self) -> list[str]:
         out = []
@@ -85,6 +91,12 @@ class DemoConfig:
                 out.append(f"--inject {inj}: needs --ranks >= 2 (only a peer's guard can notice it)")
         if self.layers < 1 or self.dim < 1 or self.heads < 1 or self.dim % self.heads:
             out.append(f"--layers and --dim must be >= 1, --dim a multiple of {self.heads} heads")
+        if self.trainer not in TRAINERS:
+            out.append(f"--trainer must be one of {'|'.join(TRAINERS)}, got {self.trainer!r}")
+        elif self.trainer == "megatron" and self.injections:
+            out.append("--inject runs with --trainer reference only (its faults are the reference trainer's)")
+        if self.launcher not in LAUNCHERS:
+            out.append(f"--launcher must be one of {'|'.join(LAUNCHERS)}, got {self.launcher!r}")
         if self.prompt_len + self.new_tokens > self.max_seq:
             out.append(f"prompt_len + new_tokens must be <= max_seq ({self.max_seq})")
         return out

@@ -8,6 +8,7 @@ from typing import Any
 
 from miles_fsm.apps.demo.config import DemoConfig
 from miles_fsm.apps.demo.progress import Progress
+from miles_fsm.apps.demo.megatron_rank import megatron_rank_main
 from miles_fsm.apps.demo.rank import rank_main
 from miles_fsm.apps.demo.report import DemoResult, blame
 from miles_fsm.apps.demo.tracedir import prepare_trace_dir, trace_run
@@ -42,9 +43,13 @@ def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
     started = time.monotonic()
     if watcher is not None:
         watcher.start()
+    fn = megatron_rank_main if config.trainer == "megatron" else rank_main
+    launch = run_ranks
+    if config.launcher == "ray":
+        from miles_fsm.ray_launch import run_ranks_ray as launch  # type: ignore[assignment]
     try:
-        outcomes = run_ranks(
-            rank_main,
+        outcomes = launch(
+            fn,
             config.ranks,
             timeout_s=config.run_timeout_s,
             kwargs={**config.to_kwargs(), "run_id": run},
