@@ -180,17 +180,19 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         f = d.first_divergence
         add(("bold", "\nFirst divergence"))
         where = f"{f['transition']} (epoch {f['epoch']}, transition #{f['position']})"
-        add((None, f"  {where}: they differ in {f['field']}"))
-        for g in f["groups"]:
-            add((None, f"    {plural_ranks(g['ranks'])}: {_value(g['value'])}"))
-        if f["also_differ"]:
-            add(("dim", f"    also different: {', '.join(f['also_differ'])}"))
+        add((None, f"  {where}: they differ in {', '.join(x['field'] for x in f['differences'])}"))
+        for diff in f["differences"]:
+            add((None, f"    {diff['field']}:"))
+            for g in diff["groups"]:
+                add((None, f"      {plural_ranks(g['ranks'])}: {_value(g['value'])}"))
         g = f.get("guard_report")
         if g is not None:
             detail = f": {'; '.join(g['detail'])}" if g["detail"] else ""
             add((None, f"    the guard caught it, on {g['field']}{detail}"))
         if f["tie"]:
-            add(("dim", "    the groups are the same size: which side is wrong is a guess"))
+            add(("yellow", f"    {f['reason']}: suspect every tied rank ({rank_ranges(f['culprits'])})"))
+        else:
+            add((None, f"    suspect {plural_ranks(f['culprits'])} ({f['how']}): {f['reason']}"))
         if f["not_yet_at_guard"]:
             add(("dim", f"    {plural_ranks(f['not_yet_at_guard'])} had not reached the guard, so their plan is unknown"))
 
