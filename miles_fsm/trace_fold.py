@@ -72,8 +72,11 @@ _ACTION = b'"event":"action_'
 def fold(
     t: RankTrace, source: Iterable[tuple[list[bytes], bool]], path: Path, epochs: EpochRange | None,
     want_run: str | None,
+    *,
+    run_known: bool = False,
 ) -> bool:
-    """Fold records in line order; False when their sequence numbers say the lines are not in ``seq`` order."""
+    """Fold records in line order; False when their sequence numbers say the lines are not in ``seq`` order,
+    or that they hold another run than ``want_run`` (any one run, if None, unless ``run_known``)."""
     # The hot loop keeps its state in locals: it runs once per line of every rank.
     loads = orjson.loads
     decode_error = orjson.JSONDecodeError
@@ -102,12 +105,13 @@ def fold(
     last_parsed_line = 0
     first_rec: dict[str, Any] | None = None
     last_rec: dict[str, Any] | None = None
-    # The last parsed record's seq, line and the lines skipped by then: the next must add up with them.
-    prev_seq = -1
-    prev_line = 0
-    prev_skip = 0
-    run0: Any = _NO_RUN
-    closed_line = 0
+    # seq - line + lines skipped, at the last parsed record: it never falls from one record to the next
+    # (it rises by the records lost), unless the lines are out of seq order.
+    offset = -1
+    # The run of trace_opened; the hot records are not checked against it (another run restarts seq).
+    run0: Any = want_run if run_known else _NO_RUN
+    closed_line = closed_skipped = 0
+    lo, hi = -I64, I64
     skipped = 0
     lineno = 0
 
@@ -157,17 +161,11 @@ def fold(
                 bad(lineno, "not a trace record", line)
                 continue
             seq = rec.get("seq")
-            if seq.__class__ is not int or seq - prev_seq - lineno + prev_line + skipped - prev_skip < 0:
+            if seq.__class__ is not int or (k := seq - lineno + skipped) < offset:
                 return False
-            if rec.get("run") != run0:
-                if run0 is not _NO_RUN or (want_run is not None and rec.get("run") != want_run):
-                    return False
-                run0 = rec.get("run")
-            prev_seq, prev_line, prev_skip = seq, lineno, skipped
+            offset = k
             last_parsed_line = lineno
             last_rec = rec
-            if closed_line:
-                t.after_close += 1
             if epochs is not None and rec.get("epoch") not in epochs and event != TRACE_OPENED \
                     and event != TRACE_CLOSED:  # fmt: skip
                 continue
@@ -183,9 +181,6 @@ def fold(
                     sig_id, why = -1, "a list or an object where a name belongs"
                 else:
                     why = bad_sig(sig) if sig_id < 0 else None
-                epoch = rec.get("epoch")
-                if why is None and epoch.__class__ is int and not -I64 <= epoch < I64:
-                    why = "epoch out of range"
                 if why is not None:
                     skipped += 1
                     bad(lineno, f"not a trace record: {why}", line)
@@ -196,7 +191,8 @@ def fold(
                 if cur_line:
                     close(UNCLOSED, nan)
                 cur_sig = sig_id
-                cur_epoch = epoch if epoch.__class__ is int else -1
+                epoch = rec.get("epoch")
+                cur_epoch = epoch if epoch.__class__ is int and lo <= epoch < hi else -1
                 cur_line, cur_guard, cur_guard_s, cur_phase, cur_rec = lineno, -1, 0.0, "planning", rec
                 if machine is None:
                     machine = source
@@ -256,6 +252,9 @@ def fold(
             elif event.__class__ is not str:
                 skipped += 1
                 bad(lineno, "not a trace record: event is not a name", line)
+            elif rec.get("run") != run0 and event != TRACE_OPENED:
+                # Another run's records that keep the seq count going (a restart resets it): read it sorted.
+                return False
             elif event in _KEPT_WHOLE and (why := invalid(rec)) is not None:
                 skipped += 1
                 bad(lineno, f"not a trace record: {why}", line)
@@ -283,6 +282,12 @@ def fold(
                     illegal(lineno, rec, f"recovered to {target}, which is not a cycle state", len(outcome) - 1)
                 machine = target
             elif event == TRACE_OPENED:
+                if run0 is _NO_RUN:
+                    run0 = rec.get("run")
+                    if want_run is not None and run0 != want_run:
+                        return False
+                elif rec.get("run") != run0:
+                    return False
                 t.opened += 1
                 if t.opened == 1:
                     t.meta = {k: v for k, v in rec.items() if k not in _COMMON}
@@ -295,7 +300,7 @@ def fold(
                     t.meta["rank_in_records"] = label(rec.get("rank")) if plain_int(rec.get("rank")) is None \
                         else rec.get("rank")  # fmt: skip
             elif event == TRACE_CLOSED:
-                t.closed, closed_line = rec, lineno
+                t.closed, closed_line, closed_skipped = rec, lineno, skipped
                 if rec.get("clean") is not True:
                     t.note(bool(cur_line), lineno, event, rec)
             else:
@@ -320,17 +325,19 @@ def fold(
         if not isinstance(act_rec, dict):
             return False
         if last_action_line > last_parsed_line:
+            # The action lines after the last parsed record: the last one's seq accounts for them.
             act_seq = act_rec.get("seq")
-            trailing = lineno - prev_line - (skipped - prev_skip)
-            if act_seq.__class__ is not int or act_seq < prev_seq + trailing or act_rec.get("run") != (
+            if act_seq.__class__ is not int or act_seq - lineno + skipped < offset or act_rec.get("run") != (
                     want_run if run0 is _NO_RUN else run0):  # fmt: skip
                 return False
-            prev_seq = act_seq
-            if closed_line:
-                t.after_close += 1
+    if last_rec is not None and last_rec.get("run") != run0:
+        return False
     t.lines = lineno
     t.records = lineno - skipped
-    t.max_seq = prev_seq
+    t.max_seq = act_rec["seq"] if act_rec is not None and last_action_line > last_parsed_line \
+        else last_rec["seq"] if last_rec is not None else -1  # fmt: skip
+    if closed_line:
+        t.after_close = (lineno - closed_line) - (skipped - closed_skipped)
     if run0 is not _NO_RUN:
         t.runs = {run0: t.records}
         t.run = run0

@@ -66,7 +66,7 @@ def _fold_in_seq_order(rank: int, path: Path, epochs: EpochRange | None, run: st
     """Fold a file whose lines are not its records in ``seq`` order, from its records sorted by ``seq``."""
     o = in_seq_order(path, run) if run is not None else in_seq_order(path)
     t = RankTrace(rank=rank, path=str(path))
-    if not fold(t, [(o.lines, True)], path, epochs, o.run):
+    if not fold(t, [(o.lines, True)], path, epochs, o.run, run_known=True):
         raise RuntimeError(f"miles-fsm bug: the records of {path}, sorted by seq, do not add up; please report it")
     line_of = [0, *o.line_of]
     t.illegal = [replace(i, line=line_of[i.line]) for i in t.illegal]

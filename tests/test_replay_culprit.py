@@ -11,10 +11,10 @@ from typing import Any
 
 import orjson
 import pytest
-
 from miles_fsm.apps.cli import main
-from miles_fsm.blame import suspects
 from trace_writer import TENSORS, RankWriter
+
+from miles_fsm.blame import suspects
 
 
 def as_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:

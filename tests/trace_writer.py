@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-
 from miles_fsm.states import CYCLE, DEFINITION, State, Strategy, Trigger, steps_for
 
 __all__ = ["RUN", "SYNC_PLAN", "TENSORS", "RankWriter", "healthy"]
