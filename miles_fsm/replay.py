@@ -240,14 +240,16 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
                            f"{f['error']}: {_first_line(f['message'])}"))
             _more(L, shown)
 
-    if d.outside_failures:
+    # A rank already FAILED by a transition carries that failure out of its step and its lifecycle: shown above.
+    outside = [f for f in d.outside_failures if not f["after_failed"]]
+    if outside:
         add(("bold", "\nFailures outside the lifecycle's transitions"))
-        for f in d.outside_failures[:_LIST_LIMIT]:
+        for f in outside[:_LIST_LIMIT]:
             where = f" in {f['where']}" if f["where"] else ""
             named = f", naming {plural_ranks(f['culprits'])}" if f["culprits"] else ""
             add((None, f"  rank {f['rank']}{where} (epoch {f['epoch']}, {f['event']}): {f['error'] or 'an error'}: "
                        f"{f['message']}{named}"))
-        _more(L, d.outside_failures)
+        _more(L, outside)
 
     if d.guard_failures:
         add(("bold", "\nGuard failures"))
