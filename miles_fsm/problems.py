@@ -154,19 +154,18 @@ def outside_problems(outside: list[dict[str, Any]], *, stopped: bool) -> list[Pr
         follows = f["transport"] is not None or bool(set(f["culprits"]) - {f["rank"]})
         where = f"in {f['where']}" if f["where"] else "outside any transition"
         what = "its lifecycle was left by" if f["event"] == TRACE_CLOSED else f"{f['event']}:"
-        problems.append(
-            Problem(
-                verdict=Verdict.CRASHED,
-                position=f["position"],
-                culprits=(f["rank"],),
-                epoch=f["epoch"],
-                transition=f["where"],
-                headline=f"rank {f['rank']} failed {where} (epoch {f['epoch']}), outside the lifecycle's "
-                f"transitions; {what} {f['error'] or 'an error'}" + (f": {f['message']}" if f["message"] else ""),
-                consequence=stopped and follows,
-            )
-        )
+        headline = (f"rank {f['rank']} failed {where} (epoch {f['epoch']}), outside the lifecycle's transitions; "
+                    f"{what} {f['error'] or 'an error'}" + (f": {f['message']}" if f["message"] else ""))  # fmt: skip
+        problems.append(_of_rank(f, Verdict.CRASHED, f["where"], headline, consequence=stopped and follows))
     return problems
+
+
+def _of_rank(
+    entry: dict[str, Any], verdict: str, transition: str | None, headline: str, *, consequence: bool = False
+) -> Problem:
+    """A problem of one rank, at the position and epoch of its evidence ``entry``."""
+    return Problem(verdict=verdict, position=entry["position"], culprits=(entry["rank"],), epoch=entry["epoch"],
+                   transition=transition, headline=headline, consequence=consequence)  # fmt: skip
 
 
 def stop_problems(stuck: list[dict[str, Any]]) -> list[Problem]:
@@ -176,16 +175,7 @@ def stop_problems(stuck: list[dict[str, Any]]) -> list[Problem]:
         verdict = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK}.get(s["how"])
         if verdict is None:
             verdict = Verdict.STUCK if s["waited_on_by"] or s["located_by"] else Verdict.INCOMPLETE
-        problems.append(
-            Problem(
-                verdict=verdict,
-                position=s["position"],
-                culprits=(s["rank"],),
-                epoch=s["epoch"],
-                transition=s["transition"],
-                headline=s["summary"],
-            )
-        )
+        problems.append(_of_rank(s, verdict, s["transition"], s["summary"]))
     return problems
 
 
@@ -197,18 +187,9 @@ def failure_problems(failures: list[dict[str, Any]], *, stopped_at: int | None) 
             continue
         # A peer's crash or hang shows up on the survivors as a failed collective: a consequence.
         consequence = stopped_at is not None and stopped_at <= f["position"] and f["transport"] is not None
-        problems.append(
-            Problem(
-                verdict=Verdict.CRASHED,
-                position=f["position"],
-                culprits=(f["rank"],),
-                epoch=f["epoch"],
-                transition=f["transition"],
-                headline=f"rank {f['rank']} failed in {f['action']} of {f['transition']} (epoch {f['epoch']}): "
-                f"{f['error']}: {first_line(f['message'])}",
-                consequence=consequence,
-            )
-        )
+        headline = (f"rank {f['rank']} failed in {f['action']} of {f['transition']} (epoch {f['epoch']}): "
+                    f"{f['error']}: {first_line(f['message'])}")  # fmt: skip
+        problems.append(_of_rank(f, Verdict.CRASHED, f["transition"], headline, consequence=consequence))
     return problems
 
 

@@ -18,19 +18,8 @@ from typing import Any
 import orjson
 import pytest
 from miles_fsm.apps.cli import main
+from test_replay import as_json, run_cli
 from trace_writer import RUN, RankWriter, healthy
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(["replay", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def as_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:
-    code, out, err = run_cli(capsys, *argv, "--json")
-    assert code != 2, err
-    return code, orjson.loads(out)
 
 
 def rewrite(path: Path, edit: Any) -> None:
