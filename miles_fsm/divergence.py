@@ -1,7 +1,10 @@
-"""Where ranks' traces first disagree: the first transition whose plan or guard differs.
+"""Where ranks' traces first disagree: the first transition whose plan or guard differs, and whom to suspect.
 
 Ranks are aligned by position (the n-th transition each one started), never
-by wall time. Used by ``miles_fsm.diagnosis``.
+by wall time. The suspects are named by the live guard's own rule
+(``miles_fsm.blame``): the ranks that changed the differing field since the
+last time this trigger ran with every rank agreeing, else a unique
+minority, else a tie. Used by ``miles_fsm.diagnosis``.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from miles_fsm.ranks import plural_ranks
+from miles_fsm.blame import suspects
+from miles_fsm.ranks import plural_ranks, rank_ranges
 from miles_fsm.schema import GUARD_FAILED, error_fields
 from miles_fsm.trace_model import RankTrace
 
@@ -83,53 +87,83 @@ def first_divergence(traces: Sequence[RankTrace]) -> dict[str, Any] | None:
     if first is None:
         return None
     at = {t.rank: t.describe_at(first) for t in traces if t.positions > first}
-    for name in _FIELDS:
-        values = {r: d[name] for r, d in at.items() if not (name in _GUARD_FIELDS and d["guarded"] is None)}
-        if len({_key(v) for v in values.values()}) > 1:
-            break
-    else:  # pragma: no cover - ids differ only when some field does
+    differences = {}
+    for n in _FIELDS:
+        groups, shown = _groups(at, n)
+        if len(groups) > 1:
+            differences[n] = (groups, shown)
+    if not differences:  # pragma: no cover - ids differ only when some field does
         return None
-    groups: dict[str, list[int]] = defaultdict(list)
-    shown: dict[str, Any] = {}
-    for r, v in sorted(values.items()):
-        k = _key(v)
-        groups[k].append(r)
-        shown[k] = v
+    name, (groups, shown) = next(iter(differences.items()))
     ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
-    majority = ordered[0][1]
-    tie = len(ordered) > 1 and len(ordered[1][1]) == len(majority)
-    culprits = sorted(r for _, rs in ordered[1:] for r in rs)
-    maj = at[majority[0]]
-    not_reached = sorted(r for r, d in at.items() if r not in values)
+    found = suspects(groups, previous=_previous(traces, first, name, next(iter(at.values()))["trigger"]))
+    lead = at[ordered[0][1][0]]
+    not_reached = sorted(r for r, d in at.items() if name in _GUARD_FIELDS and d["guarded"] is None)
     behind = sorted(t.rank for t in traces if t.positions <= first)
-    groups_json = [{"ranks": rs, "value": shown[k]} for k, rs in ordered]
-    others = ", ".join(f"{plural_ranks(rs)} {_show(shown[k])}" for k, rs in ordered[1:])
-    also = [
-        n
-        for n in _FIELDS[_FIELDS.index(name) + 1 :]
-        if len({_key(d[n]) for d in at.values() if not (n in _GUARD_FIELDS and d["guarded"] is None)}) > 1
-    ]
+    sides = "; ".join(f"{plural_ranks(rs)} {_show(shown[k])}" for k, rs in ordered)
+    who = (f"{found.reason}: suspect every tied rank ({rank_ranges(found.ranks)})" if found.tie
+           else f"suspect {plural_ranks(list(found.ranks))}: {found.reason}")  # fmt: skip
     guard = _guard_report(traces, first)
-    summary = (
-        f"ranks disagree on {name} at {maj['trigger']} (epoch {maj['epoch']}): "
-        f"{plural_ranks(majority)} {_show(shown[ordered[0][0]])}; {others}"
-    )
+    summary = f"ranks disagree on {name} at {lead['trigger']} (epoch {lead['epoch']}): {sides}; {who}"
     if guard is not None and guard["detail"]:
         summary += f" (the guard: {'; '.join(guard['detail'])})"
     return {
         "position": first,
-        "epoch": maj["epoch"],
-        "transition": maj["trigger"],
+        "epoch": lead["epoch"],
+        "transition": lead["trigger"],
         "field": name,
-        "also_differ": also,
-        "groups": groups_json,
+        "also_differ": list(differences)[1:],
+        "groups": [{"ranks": rs, "value": shown[k]} for k, rs in ordered],
+        "differences": [
+            {"field": n, "groups": [{"ranks": rs, "value": sh[k]} for k, rs in sorted(g.items(), key=_by_size)]}
+            for n, (g, sh) in differences.items()
+        ],
         "guard_report": guard,
-        "culprits": culprits,
-        "tie": tie,
+        "culprits": list(found.ranks),
+        "how": found.how,
+        "reason": found.reason,
+        "tie": found.tie,
         "not_yet_at_guard": not_reached,
         "not_there": behind,
         "summary": summary,
     }
+
+
+def _groups(at: dict[int, dict[str, Any]], name: str) -> tuple[dict[str, list[int]], dict[str, Any]]:
+    """Ranks by their value of one field (a guard field only among ranks whose guard is known)."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    shown: dict[str, Any] = {}
+    for r, d in sorted(at.items()):
+        if name in _GUARD_FIELDS and d["guarded"] is None:
+            continue
+        k = _key(d[name])
+        groups[k].append(r)
+        shown[k] = d[name]
+    return dict(groups), shown
+
+
+def _by_size(kv: tuple[str, list[int]]) -> tuple[int, int]:
+    return -len(kv[1]), kv[1][0]
+
+
+def _previous(traces: Sequence[RankTrace], first: int, name: str, trigger: str) -> str | None:
+    """The field's value the last time, before ``first``, that this trigger ran on every rank.
+
+    Every position before the first divergence is one where the ranks agreed, so any rank that got
+    there tells it. None when the trigger itself differs, or it never ran before (with its guard
+    recorded, for a guard field): then the minority rule decides (``miles_fsm.blame``).
+    """
+    if name == "trigger":
+        return None
+    t = max(traces, key=lambda x: x.positions)
+    for j in range(first - 1, -1, -1):
+        if t.trigger_at(j) != trigger:
+            continue
+        d = t.describe_at(j)
+        if name in _GUARD_FIELDS and d["guarded"] is None:
+            continue
+        return _key(d[name])
+    return None
 
 
 def _guard_report(traces: Sequence[RankTrace], position: int) -> dict[str, Any] | None:

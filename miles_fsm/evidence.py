@@ -1,4 +1,5 @@
-"""What the records say failed: guard failures, verification failures, step failures.
+"""What the records say failed: guard failures, verification failures, step failures, and failures
+outside any transition (a driver's or the demo's own step, or a lifecycle left by an exception).
 
 Each is read from the notes the trace reader kept, with an error's facts from
 its ``fields`` (never from its message text), grouped and ordered by the
@@ -10,10 +11,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from miles_fsm.schema import GUARD_FAILED, TRANSITION_FAILED, VERIFY_FAILED, error_fields
+from miles_fsm.schema import (
+    GUARD_FAILED,
+    RECOVERED,
+    STORE_UNREACHABLE,
+    TRACE_CLOSED,
+    TRANSITION_CANCELLED,
+    TRANSITION_FAILED,
+    VERIFY_FAILED,
+    error_fields,
+)
 from miles_fsm.trace_model import RankTrace
 
-__all__ = ["guard_failures", "step_failures", "verification_failures"]
+__all__ = ["guard_failures", "outside_failures", "step_failures", "verification_failures"]
+
+#: Notes of the lifecycle's own records; any other note is a driver's or the demo's (or an unclean close).
+CORE_EVENTS = frozenset(
+    (GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE, TRANSITION_FAILED, TRANSITION_CANCELLED, RECOVERED)
+)
 
 
 def guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
@@ -97,6 +112,39 @@ def step_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
                 }
             )
     out.sort(key=lambda f: (f["position"], f["rank"]))
+    return out
+
+
+def outside_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
+    """Errors recorded outside any transition: a driver's or the demo's record carrying ``error``
+    (``demo_failed``), or a ``trace_closed`` written as an exception left the lifecycle.
+
+    ``after_failed``: the rank was already FAILED, so a transition's failure, reported on its own,
+    is what this one carries on.
+    """
+    out = []
+    for t in traces:
+        failed = t.table.failed if t.table is not None else "FAILED"
+        for n in t.notes:
+            rec = n.record
+            if n.event in CORE_EVENTS or (rec.get("error") is None and n.event != TRACE_CLOSED):
+                continue
+            out.append(
+                {
+                    "rank": t.rank,
+                    "position": n.position,
+                    "epoch": rec.get("epoch"),
+                    "event": n.event,
+                    "where": rec.get("where"),
+                    "error": rec.get("error"),
+                    "message": first_line(rec.get("message") or ""),
+                    "transport": rec.get("transport"),
+                    "culprits": sorted(set(rec.get("culprits") or error_fields(rec).get("culprits") or ())),
+                    "after_failed": rec.get("state") == failed,
+                    "line": n.line,
+                }
+            )
+    out.sort(key=lambda f: (f["position"], f["rank"], f["line"]))
     return out
 
 

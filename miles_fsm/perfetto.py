@@ -6,6 +6,10 @@ inside. Guard failures, verification failures and recoveries are instant
 events; a flow arrow links the ranks that entered the same guard, in arrival
 order, so a late or missing rank shows at a glance.
 
+Records are drawn in ``seq`` order and only those of the run replay read;
+a record whose fields are not what the schema says is left out, as the
+reader reports it (``miles_fsm.trace_checks``).
+
 Timestamps: each rank's own monotonic clock, offset by its first wall time,
 so slices within a rank are exact and ranks line up as well as their wall
 clocks agree. Slices are written as B/E pairs and always properly nested:
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +43,35 @@ from miles_fsm.schema import (
     VERIFY_FAILED,
     error_fields,
 )
-from miles_fsm.trace_files import iter_lines
+from miles_fsm.trace_checks import invalid, label
 from miles_fsm.trace_model import EpochRange, RankTrace
+from miles_fsm.trace_order import records
 
-__all__ = ["STATE_TID", "TRANSITION_TID", "export_perfetto"]
+__all__ = ["STATE_TID", "TRANSITION_TID", "OutputPathError", "check_output", "export_perfetto"]
+
+
+class OutputPathError(ValueError):
+    """``--perfetto OUT`` cannot be written there: bad input, exit code 2."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"--perfetto {self.path}: {reason}")
+
+
+def check_output(out: str | os.PathLike[str], inputs: Iterable[Path]) -> None:
+    """Raise ``OutputPathError`` unless ``out`` can be written and is none of the traces read."""
+    path = Path(out)
+    if path.is_dir():
+        raise OutputPathError(path, "is a directory; give a file name such as trace.json")
+    folder = path.parent
+    if not folder.is_dir():
+        raise OutputPathError(path, f"its folder {folder} does not exist")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise OutputPathError(path, f"{'it' if path.exists() else f'its folder {folder}'} is not writable")
+    target = path.resolve()
+    if any(target == p.resolve() for p in inputs):
+        raise OutputPathError(path, "is one of the traces being read; it would be overwritten")
 
 STATE_TID = 1
 TRANSITION_TID = 2
@@ -107,7 +136,11 @@ def export_perfetto(
     base = min(walls) if walls else 0.0
     guards: dict[tuple[Any, ...], list[tuple[float, int]]] = defaultdict(list)
     count = 0
-    with open(out, "wb") as f:
+    try:
+        f = open(out, "wb")  # noqa: SIM115 - closed below, with its OSError reported as bad output
+    except OSError as exc:
+        raise OutputPathError(out, f"cannot be written ({exc.strerror or exc})") from exc
+    with f:
         f.write(b'{"displayTimeUnit":"ms","traceEvents":[\n')
         first = True
 
@@ -115,7 +148,10 @@ def export_perfetto(
             nonlocal first, count
             if not first:
                 f.write(b",\n")
-            f.write(orjson.dumps(ev))
+            try:
+                f.write(orjson.dumps(ev))
+            except orjson.JSONEncodeError as exc:  # a value orjson cannot write: the event stays, its args go
+                f.write(orjson.dumps({**ev, "args": {"not_shown": str(exc)}}))
             first = False
             count += 1
 
@@ -149,8 +185,8 @@ def _export_rank(
 ) -> None:
     pid = t.rank
     host = t.meta.get("host")
-    label = f"rank {t.rank}" + (f" ({host})" if host else "")
-    emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}})
+    title = f"rank {t.rank}" + (f" ({host})" if host else "")
+    emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": title}})
     emit({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": t.rank}})
     emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": STATE_TID, "args": {"name": "state"}})
     emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": TRANSITION_TID, "args": {"name": "transitions"}})
@@ -161,14 +197,10 @@ def _export_rank(
     offset_us = (wall0 - base) * 1e6
     seen: dict[tuple[Any, Any], int] = defaultdict(int)
     last_ts = 0.0
-    loads = orjson.loads
-    for _line_no, line, _complete in iter_lines(Path(t.path)):
-        try:
-            rec = loads(line)
-        except orjson.JSONDecodeError:
-            continue  # the analysis reports bad lines with file:line
-        if not isinstance(rec, dict):
-            continue
+    for rec in records(Path(t.path), run=t.run, ordered=not t.out_of_order and len(t.runs) <= 1
+                       and not t.duplicates):  # fmt: skip
+        if invalid(rec) is not None:
+            continue  # the analysis reports it as a bad line
         epoch = rec.get("epoch")
         if epochs is not None and epoch not in epochs:
             continue
@@ -187,7 +219,7 @@ def _export_rank(
             if not states.stack and state:
                 states.begin(state, ts, "state", {"epoch": epoch})
             tx.close_all(ts)  # a transition never closed: lost records
-            tx.begin(str(trigger), ts, "transition",
+            tx.begin(label(trigger), ts, "transition",
                      {"epoch": epoch, "source": state, "dest": rec.get("dest"), "steps": rec.get("steps")})
         elif event == GUARD_ENTERED:
             tx.begin("guard", ts, "guard",
@@ -202,18 +234,18 @@ def _export_rank(
                        {"error": rec.get("error"), "message": rec.get("message"), **error_fields(rec)})
             tx.end("guard", ts, {"failed": rec.get("error")})
         elif event == ACTION_STARTED:
-            tx.begin(str(rec.get("action")), ts, "action", {"mem_before": rec.get("mem_before")})
+            tx.begin(label(rec.get("action")), ts, "action", {"mem_before": rec.get("mem_before")})
         elif event == ACTION_FINISHED:
-            tx.end(str(rec.get("action")), ts,
+            tx.end(label(rec.get("action")), ts,
                    {k: rec.get(k) for k in ("duration_s", "bytes_moved", "host_bytes", "mem_after")})
         elif event == TRANSITION_FINISHED:
-            tx.end(str(trigger), ts, {"duration_s": rec.get("duration_s")})
+            tx.end(label(trigger), ts, {"duration_s": rec.get("duration_s")})
             states.close_all(ts)
-            states.begin(str(state), ts, "state", {"epoch": epoch})
+            states.begin(label(state), ts, "state", {"epoch": epoch})
         elif event in (TRANSITION_FAILED, TRANSITION_CANCELLED):
             tx.instant(event, ts, "failure",
                        {k: rec.get(k) for k in ("error", "message", "action", "phase") if k in rec})
-            tx.end(str(trigger), ts, {event: rec.get("error")})
+            tx.end(label(trigger), ts, {event: rec.get("error")})
             if event == TRANSITION_FAILED:
                 states.close_all(ts)
                 states.begin("FAILED", ts, "state", {"epoch": epoch, "error": rec.get("error")})
@@ -223,9 +255,9 @@ def _export_rank(
             tx.instant("verified", ts, "verify", {"tensors": rec.get("tensors")})
         elif event == RECOVERED:
             states.close_all(ts)
-            states.begin(str(state), ts, "state", {"epoch": epoch, "recovered": True})
+            states.begin(label(state), ts, "state", {"epoch": epoch, "recovered": True})
         elif event != TRACE_OPENED:
-            tx.instant(str(event), ts, "other", {k: v for k, v in rec.items() if k not in _COMMON})
+            tx.instant(label(event), ts, "other", {k: v for k, v in rec.items() if k not in _COMMON})
     tx.close_all(last_ts)
     states.close_all(last_ts)
 

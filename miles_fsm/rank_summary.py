@@ -7,13 +7,22 @@ from typing import Any
 
 from miles_fsm.evidence import first_line
 from miles_fsm.schema import SCHEMA_VERSION, TRANSITION_FAILED
+from miles_fsm.trace_checks import label
 from miles_fsm.trace_model import FAILED as OUT_FAILED
 from miles_fsm.trace_model import FINISHED, RankTrace
 
 __all__ = ["illegal_json", "rank_json", "trace_problems"]
 
 
-def trace_problems(traces: Sequence[RankTrace], missing: list[int]) -> dict[str, Any]:
+def trace_problems(
+    traces: Sequence[RankTrace],
+    missing: list[int],
+    *,
+    run: str | None = None,
+    ignored: Sequence[str] = (),
+    warnings: Sequence[str] = (),
+) -> dict[str, Any]:
+    """What is wrong with the files themselves: bad lines, lost and duplicate records, other runs' files."""
     bad = [
         {"file": b.path, "line": b.line, "where": b.where, "reason": b.reason, "text": b.text}
         for t in traces
@@ -25,12 +34,18 @@ def trace_problems(traces: Sequence[RankTrace], missing: list[int]) -> dict[str,
         if t.truncated is not None
     ]
     lost = {str(t.rank): t.lost for t in traces if t.lost}
-    warnings = []
+    duplicates = [{"rank": t.rank, "file": t.path, "seq": d.seq, "line": d.line, "first_line": d.first_line}
+                  for t in traces for d in t.duplicates]  # fmt: skip
+    warnings = list(warnings)
     for t in traces:
         if t.opened > 1:
             warnings.append(f"{t.path} holds {t.opened} runs (trace_opened {t.opened} times); positions may mix them")
         if t.out_of_order:
-            warnings.append(f"{t.path}: {t.out_of_order} record(s) out of sequence order")
+            warnings.append(f"{t.path}: {t.out_of_order} record(s) out of sequence order; read in seq order")
+        if t.duplicates:
+            warnings.append(f"{t.path}: {len(t.duplicates)} exact duplicate record(s) (a seq seen before), dropped")
+        if t.after_close:
+            warnings.append(f"{t.path}: {t.after_close} record(s) after its trace_closed")
         if "rank_in_records" in t.meta:
             warnings.append(f"{t.path} holds records of rank {t.meta['rank_in_records']}")
         v = t.meta.get("schema")
@@ -40,7 +55,10 @@ def trace_problems(traces: Sequence[RankTrace], missing: list[int]) -> dict[str,
         "bad_lines": bad,
         "truncated": truncated,
         "lost_records": lost,
+        "duplicates": duplicates,
         "missing_ranks": missing,
+        "run": run,
+        "ignored": list(ignored),
         "warnings": warnings,
     }
 
@@ -80,9 +98,10 @@ def rank_json(t: RankTrace) -> dict[str, Any]:
         "last_seq": t.last_seq,
         "records": t.records,
         "verified": t.verified,
-        "host": t.meta.get("host"),
-        "pid": t.meta.get("pid"),
-        "strategy": t.strategy,
+        "closed": None if t.closed is None else "clean" if t.clean else "unclean",
+        "host": _scalar(t.meta.get("host")),
+        "pid": _scalar(t.meta.get("pid")),
+        "strategy": _scalar(t.strategy),
     }
     if t.open is not None:
         out["inside"] = {
@@ -101,3 +120,8 @@ def rank_json(t: RankTrace) -> dict[str, Any]:
             "action": fail.get("action"),
         }
     return out
+
+
+def _scalar(v: Any) -> Any:
+    # trace_opened's own fields are shown as written, when they are plain values.
+    return v if v is None or v.__class__ in (str, int, float, bool) else label(v)

@@ -19,10 +19,13 @@ from typing import Any, TextIO
 import orjson
 
 from miles_fsm.diagnosis import Diagnosis, diagnose, rank_ranges
+from miles_fsm.perfetto import OutputPathError, check_output
 from miles_fsm.ranks import plural_ranks
+from miles_fsm.trace_checks import MAX_RANKS
 from miles_fsm.trace_files import find_traces
 from miles_fsm.trace_model import EpochRange, TraceDirError
 from miles_fsm.trace_reader import read_ranks
+from miles_fsm.trace_runs import choose_run
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_OK", "EXIT_PROBLEM", "add_parser", "render", "replay"]
 
@@ -41,18 +44,29 @@ def replay(
     workers: int | None = None,
     straggler_ratio: float = 1.5,
     perfetto: str | None = None,
+    run: str | None = None,
 ) -> Diagnosis:
-    """Read and diagnose a trace directory; raises ``TraceDirError`` on bad input."""
+    """Read and diagnose a trace directory (of one run: ``run``, when it holds several).
+
+    Raises ``TraceDirError`` (``MixedRunsError`` among them) or ``OutputPathError`` on bad input.
+    """
     files = find_traces(trace_dir)
+    if perfetto is not None:
+        check_output(perfetto, files.values())  # before the long read, not after it
     wanted = None if ranks is None else sorted(set(ranks))
     if wanted is not None:
         files = {r: p for r, p in files.items() if r in wanted}
         if not files:
             raise TraceDirError(trace_dir, f"holds no trace for rank(s) {rank_ranges(wanted)}")
-    traces = read_ranks(files, epochs=epochs, workers=workers)
+    chosen = choose_run(trace_dir, read_ranks(files, epochs=epochs, workers=workers, run=run), run)
+    traces = chosen.traces
     if not any(t.records for t in traces):
         raise TraceDirError(trace_dir, "its trace files hold no readable record")
-    diagnosis = diagnose(traces, expected=wanted, straggler_ratio=straggler_ratio)
+    if epochs is not None and not any(t.positions or t.notes for t in traces):
+        last = max(t.epoch for t in traces)
+        raise TraceDirError(trace_dir, f"--epoch {epochs} selects nothing: its traces hold epochs 0-{last}")
+    diagnosis = diagnose(traces, expected=wanted, straggler_ratio=straggler_ratio, run=chosen.run,
+                         ignored=chosen.ignored, warnings=chosen.warnings)  # fmt: skip
     if perfetto is not None:
         from miles_fsm.perfetto import export_perfetto
 
@@ -82,6 +96,7 @@ def add_parser(sub: Any) -> None:
         help="only these ranks: 3, 0,2 or 4-7 (repeatable)",
     )
     p.add_argument("--epoch", type=_parse_epochs, metavar="E", help="only these epochs: 2, 2:5 or 3:")
+    p.add_argument("--run", dest="run_id", metavar="RUN_ID", help="read only this run's records, when DIR holds several runs")
     p.add_argument("--workers", type=int, default=None, help="processes to read with (default: by trace size)")
     p.add_argument(
         "--straggler-ratio", type=float, default=1.5, help="flag a rank this many times the median (default 1.5)"
@@ -94,7 +109,10 @@ def _parse_ranks(text: str) -> list[int]:
     try:
         for part in text.split(","):
             lo, sep, hi = part.strip().partition("-")
-            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if not 0 <= first <= last < MAX_RANKS:
+                raise argparse.ArgumentTypeError(f"--rank {part.strip()}: ranks are 0 to {MAX_RANKS - 1}, low to high")
+            out.extend(range(first, last + 1))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--rank wants R, R,S or A-B, got {text!r}") from None
     return out
@@ -117,8 +135,9 @@ def _run(args: argparse.Namespace) -> int:
             workers=args.workers,
             straggler_ratio=args.straggler_ratio,
             perfetto=args.perfetto,
+            run=args.run_id,
         )
-    except TraceDirError as exc:
+    except (TraceDirError, OutputPathError) as exc:
         sys.stderr.write(f"miles-fsm replay: {exc}\n")
         return EXIT_BAD_INPUT
     if args.json:
@@ -180,17 +199,19 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         f = d.first_divergence
         add(("bold", "\nFirst divergence"))
         where = f"{f['transition']} (epoch {f['epoch']}, transition #{f['position']})"
-        add((None, f"  {where}: they differ in {f['field']}"))
-        for g in f["groups"]:
-            add((None, f"    {plural_ranks(g['ranks'])}: {_value(g['value'])}"))
-        if f["also_differ"]:
-            add(("dim", f"    also different: {', '.join(f['also_differ'])}"))
+        add((None, f"  {where}: they differ in {', '.join(x['field'] for x in f['differences'])}"))
+        for diff in f["differences"]:
+            add((None, f"    {diff['field']}:"))
+            for g in diff["groups"]:
+                add((None, f"      {plural_ranks(g['ranks'])}: {_value(g['value'])}"))
         g = f.get("guard_report")
         if g is not None:
             detail = f": {'; '.join(g['detail'])}" if g["detail"] else ""
             add((None, f"    the guard caught it, on {g['field']}{detail}"))
         if f["tie"]:
-            add(("dim", "    the groups are the same size: which side is wrong is a guess"))
+            add(("yellow", f"    {f['reason']}: suspect every tied rank ({rank_ranges(f['culprits'])})"))
+        else:
+            add((None, f"    suspect {plural_ranks(f['culprits'])} ({f['how']}): {f['reason']}"))
         if f["not_yet_at_guard"]:
             add(("dim", f"    {plural_ranks(f['not_yet_at_guard'])} had not reached the guard, so their plan is unknown"))
 
@@ -218,6 +239,17 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
                 add((None, f"  rank {f['rank']}: {f['action']} of {f['transition']} (epoch {f['epoch']}): "
                            f"{f['error']}: {_first_line(f['message'])}"))
             _more(L, shown)
+
+    # A rank already FAILED by a transition carries that failure out of its step and its lifecycle: shown above.
+    outside = [f for f in d.outside_failures if not f["after_failed"]]
+    if outside:
+        add(("bold", "\nFailures outside the lifecycle's transitions"))
+        for f in outside[:_LIST_LIMIT]:
+            where = f" in {f['where']}" if f["where"] else ""
+            named = f", naming {plural_ranks(f['culprits'])}" if f["culprits"] else ""
+            add((None, f"  rank {f['rank']}{where} (epoch {f['epoch']}, {f['event']}): {f['error'] or 'an error'}: "
+                       f"{f['message']}{named}"))
+        _more(L, outside)
 
     if d.guard_failures:
         add(("bold", "\nGuard failures"))
@@ -258,7 +290,8 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         add(("yellow", line))
 
     tp = d.trace_problems
-    problems = tp["bad_lines"] or tp["truncated"] or tp["lost_records"] or tp["warnings"] or d.missing_ranks
+    problems = tp["bad_lines"] or tp["truncated"] or tp["lost_records"] or tp["warnings"] or tp["ignored"] \
+        or d.missing_ranks  # fmt: skip
     if problems:
         add(("bold", "\nTrace problems"))
         if d.missing_ranks:
@@ -270,6 +303,8 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             add((None, f"  {b['where']}: truncated last line (the process stopped while writing it), skipped"))
         for rank, n in list(tp["lost_records"].items())[:_LIST_LIMIT]:
             add((None, f"  rank {rank}: {n} record(s) missing by sequence number"))
+        for path in tp["ignored"][:_LIST_LIMIT]:
+            add((None, f"  {path}: ignored, it holds another run than {tp['run']}"))
         for w in tp["warnings"][:_LIST_LIMIT]:
             add((None, f"  {w}"))
     return L
@@ -291,6 +326,7 @@ def _rank_key(r: dict[str, Any]) -> tuple[str]:
     if "error" in r:
         e = r["error"]
         text += f", {e['type']} in {e['action'] or 'guard'} of {e['transition']}"
+    text += {"clean": "", "unclean": ", trace closed on an error"}.get(r["closed"], ", no trace_closed (cut off)")
     return (text,)
 
 

@@ -10,20 +10,10 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from miles_fsm.schema import (
-    GUARD_FAILED,
-    RECOVERED,
-    STORE_UNREACHABLE,
-    TRANSITION_CANCELLED,
-    TRANSITION_FAILED,
-    VERIFY_FAILED,
-)
+from miles_fsm.evidence import CORE_EVENTS
 from miles_fsm.ranks import plural_ranks
+from miles_fsm.schema import TRANSITION_FINISHED
 from miles_fsm.trace_model import FINISHED, RankTrace
-
-_CORE_EVENTS = frozenset(
-    (GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE, TRANSITION_FAILED, TRANSITION_CANCELLED, RECOVERED)
-)
 
 #: A failed collective's ``transport`` (judged by the writer) -> how it accuses the silent rank.
 _TRANSPORT = {"peer_lost": "lost", "timeout": "timeout"}
@@ -35,7 +25,7 @@ def located(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
     for t in traces:
         for n in t.notes:
             culprits = n.record.get("culprits")
-            if n.event in _CORE_EVENTS or not isinstance(culprits, list) or not culprits:
+            if n.event in CORE_EVENTS or not isinstance(culprits, list) or not culprits:
                 continue
             out.append(
                 {
@@ -43,7 +33,7 @@ def located(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
                     "event": n.event,
                     "position": n.position,
                     "epoch": n.record.get("epoch"),
-                    "culprits": sorted(int(c) for c in culprits if isinstance(c, int)),
+                    "culprits": sorted(set(culprits)),
                     "error": n.record.get("error"),
                     "where": n.record.get("where"),
                 }
@@ -56,6 +46,7 @@ def accusations(
     guard_failures: list[dict[str, Any]],
     failures: list[dict[str, Any]],
     located: list[dict[str, Any]],
+    outside: list[dict[str, Any]],
 ) -> dict[int, list[dict[str, Any]]]:
     """Who the surviving ranks' records blame for stopping, and how (lost connection, timeout, located)."""
     accused: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -82,6 +73,17 @@ def accusations(
             if at <= position and r not in by:
                 accused[r].append({"kind": kind, "by": by, "position": position, "epoch": f["epoch"],
                                    "transition": f["transition"], "via": via})
+    # A failure outside any transition that lost its peer or timed out: the ranks it names, else the cut-off ones.
+    cut = [t.rank for t in traces if t.closed is None and t.state != "FAILED"]
+    for f in outside:
+        kind = _TRANSPORT.get(f["transport"] or "")
+        if kind is None:
+            continue
+        via = f"its {f['event']} record" + (f" ({f['where']})" if f["where"] else "")
+        for r in f["culprits"] or cut:
+            if r != f["rank"]:
+                accused[r].append({"kind": kind, "by": [f["rank"]], "position": f["position"], "epoch": f["epoch"],
+                                   "transition": f["where"], "via": via})
     for loc in located:
         for c in loc["culprits"]:
             if c != loc["rank"]:
@@ -110,8 +112,10 @@ def stopped(
             for r in g["ranks"]:
                 waiting[r] = g["position"]
     wait_pos = max(waiting.values(), default=None)
-    # Only accusations that could explain a stop: located faults alone name culprits of other kinds too.
-    candidates = {r for r, acc in accused.items() if any(a["kind"] != "located" for a in acc)}
+    # Only accusations that could explain a stop: located faults alone name culprits of other kinds too,
+    # unless the rank they name was cut off (its trace has no trace_closed).
+    cut = {t.rank for t in traces if t.closed is None}
+    candidates = {r for r, acc in accused.items() if r in cut or any(a["kind"] != "located" for a in acc)}
     open_elsewhere = [t for t in traces if t.open is not None and t.open.phase != "guard"]
     # Every rank stopped at the same point: the job was stopped from outside, nobody is to blame.
     ends = {t.open.index for t in open_elsewhere if t.open is not None}
@@ -164,6 +168,10 @@ def _stopped_entry(
         if at is not None and at["epoch"] is not None:
             epoch = at["epoch"]
         inside = f"between transitions: it finished {done}" + (f" and never started {transition}" if transition else "")
+        if t.last_event != TRANSITION_FINISHED and t.last_event is not None:
+            # Its last record is outside the lifecycle's transitions (a guarded train step, a driver's own).
+            inside = f"between transitions: it finished {done}, and its last record is {t.last_event}" + (
+                f" of {t.last_subject}" if t.last_subject else "")
     if position is None:
         position = at["position"] if at else min((x.positions for x in traces), default=0)
     silent = None if since is None or last_wall is None else max(0.0, last_wall - since)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from miles_fsm.trace_checks import MAX_RANKS, plain_int
 
 __all__ = [
     "CANCELLED",
@@ -23,6 +26,7 @@ __all__ = [
     "Illegal",
     "MachineTable",
     "Note",
+    "Duplicate",
     "Position",
     "RankTrace",
     "TraceDirError",
@@ -43,6 +47,10 @@ class TraceDirError(ValueError):
         self.reason = reason
         super().__init__(f"{self.path}: {reason}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Raised in reader worker processes: it must cross back as itself.
+        return type(self), (self.path, self.reason)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EpochRange:
@@ -60,10 +68,15 @@ class EpochRange:
             last = (int(hi) if hi else None) if sep else first
         except ValueError:
             raise ValueError(f"--epoch wants N, A:B or A:, got {text!r}") from None
+        if last is not None and last < first:
+            raise ValueError(f"--epoch {text}: the range is empty ({last} < {first})")
         return cls(first=first, last=last)
 
     def __contains__(self, epoch: object) -> bool:
         return isinstance(epoch, int) and epoch >= self.first and (self.last is None or epoch <= self.last)
+
+    def __str__(self) -> str:
+        return str(self.first) if self.last == self.first else f"{self.first}:{'' if self.last is None else self.last}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +91,15 @@ class BadLine:
     @property
     def where(self) -> str:
         return f"{self.path}:{self.line}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Duplicate:
+    """A record whose ``seq`` came before: an exact copy is dropped, another record is a bad line."""
+
+    seq: int
+    line: int
+    first_line: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,7 +151,17 @@ class RankTrace:
     lines: int = 0
     records: int = 0
     max_seq: int = -1
+    #: Records not where their ``seq`` puts them; the file was then read in ``seq`` order.
     out_of_order: int = 0
+    duplicates: list[Duplicate] = field(default_factory=list)
+    #: Run id -> records of it in the file, in the order first seen (None: records without ``run``).
+    runs: dict[str | None, int] = field(default_factory=dict)
+    #: The run this fold kept (the only one, or the one asked for); records of other runs are not folded.
+    run: str | None = None
+    #: The ``trace_closed`` record, when the trace ends in one (None: it was cut off).
+    closed: dict[str, Any] | None = None
+    #: Records after a ``trace_closed`` (the file was written to after it was closed).
+    after_close: int = 0
     bad: list[BadLine] = field(default_factory=list)
     truncated: BadLine | None = None
     epochs: array = field(default_factory=lambda: array("q"))
@@ -169,6 +201,11 @@ class RankTrace:
         return max(0, self.max_seq + 1 - self.records)
 
     @property
+    def clean(self) -> bool:
+        """The trace ends in a clean ``trace_closed``, with nothing written after it."""
+        return self.closed is not None and self.closed.get("clean") is True and not self.after_close
+
+    @property
     def strategy(self) -> str | None:
         return self.meta.get("strategy")
 
@@ -176,6 +213,37 @@ class RankTrace:
     def guard_timeout_s(self) -> float | None:
         value = self.meta.get("guard_timeout_s")
         return float(value) if isinstance(value, (int, float)) else None
+
+    def note(self, in_transition: bool, line: int, event: str, rec: dict[str, Any]) -> None:
+        """Keep a notable record whole, at the open transition's position, else the last one's."""
+        index = len(self.outcome) if in_transition else len(self.outcome) - 1
+        self.notes.append(Note(position=index, line=line, event=event, record=rec))
+
+    def track(self, rec: dict[str, Any], line: int) -> None:
+        """Where the trace ends (or starts): this record's clock, event, state, epoch and world."""
+        # Any record can be last, even one the fold found bad: only values of the right type are kept.
+        wall, mono = rec.get("wall"), plain_int(rec.get("mono_ns"))
+        wall = wall if wall.__class__ in (int, float) and abs(wall) < 1e12 else None
+        if self.first_wall is None and wall is not None:
+            self.first_wall, self.first_mono_ns = wall, mono
+        if wall is not None:
+            self.last_wall = wall
+        if mono is not None:
+            self.last_mono_ns = mono
+        event, subject = rec.get("event"), rec.get("action") or rec.get("trigger")
+        self.last_event = event if event.__class__ is str else None
+        self.last_subject = subject if subject.__class__ is str else None
+        self.last_seq = plain_int(rec.get("seq"))
+        self.last_line = line
+        state = rec.get("state", self.state)
+        if state is None or state.__class__ is str:
+            self.state = state
+        epoch = plain_int(rec.get("epoch"))
+        if epoch is not None:
+            self.epoch = epoch
+        world = rec.get("world")
+        if world.__class__ is int and 0 < world <= MAX_RANKS and (self.world is None or world > self.world):
+            self.world = world
 
     def trigger_at(self, index: int) -> str:
         return self.sig_table[self.sigs[index]][0]
@@ -222,3 +290,24 @@ class MachineTable:
 
     def allowed(self, state: str | None) -> list[str]:
         return [trig for (src, trig) in self.arrows if src == state]
+
+    def forbids(self, machine: str | None, trigger: Any, source: Any, dest: Any, steps: tuple[str, ...]) -> str | None:
+        """Why the machine, in state ``machine``, forbids this recorded transition; None if it allows it."""
+        if machine == self.failed:
+            return f"{trigger} fired while {self.failed} (no recover in between)"
+        legal = self.arrows.get((machine or "", trigger if isinstance(trigger, str) else ""))
+        if legal is None:
+            allowed = self.allowed(machine)
+            return f"no arrow for {trigger} out of {machine} (allowed: {', '.join(allowed) or 'none'})"
+        if source != machine:
+            return f"recorded source {source}, but the machine is in {machine}"
+        if dest != legal[0]:
+            return f"recorded destination {dest}, but {trigger} leads to {legal[0]}"
+        if not _subsequence(steps, legal[1]):
+            return f"steps {list(steps)} are not steps of {trigger} ({', '.join(legal[1])})"
+        return None
+
+
+def _subsequence(part: Sequence[str], whole: Sequence[str]) -> bool:
+    it = iter(whole)
+    return all(any(x == y for y in it) for x in part)

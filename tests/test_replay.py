@@ -1,8 +1,9 @@
 """``miles-fsm replay``: reading damaged traces, diagnosing them, and the CLI contract.
 
 Traces here are written record by record in the exact layout ``Lifecycle``
-writes (one test also uses a real ``Lifecycle``); the end-to-end tests on the
-real demo live in ``test_replay_demo.py``.
+writes (``trace_writer.RankWriter``; one test also uses a real ``Lifecycle``);
+damaged and hostile traces are in ``test_replay_damage.py``, the end-to-end
+tests on the real demo in ``test_replay_demo.py``.
 """
 
 from __future__ import annotations
@@ -20,124 +21,11 @@ from miles_fsm.apps.cli import main
 from miles_fsm.diagnosis import diagnose, rank_ranges
 from miles_fsm.perfetto import export_perfetto
 from miles_fsm.replay import render, replay
-from miles_fsm.states import CYCLE, DEFINITION, Strategy, Trigger, steps_for
 from miles_fsm.trace_files import find_traces
 from miles_fsm.trace_model import EpochRange, TraceDirError
 from miles_fsm.trace_reader import read_rank, read_ranks
 from toy import ToyEngine, ToyTrainer
-
-SYNC_PLAN = ["all_gather@dp[192:bfloat16]"]
-TENSORS = "a" * 32
-
-
-class RankWriter:
-    """Writes one rank's trace in Lifecycle's record layout."""
-
-    def __init__(self, rank: int, world: int, *, wall0: float = 1.8e9, strategy: str = "rematerialize") -> None:
-        self.rank, self.world = rank, world
-        self.seq = 0
-        self.mono = 10**12 + rank * 7_777_777  # per-rank monotonic origin
-        self.wall0 = wall0
-        self.state = "INITIAL"
-        self.epoch = 0
-        self.lines: list[bytes] = []
-        self.strategy = strategy
-        machine = DEFINITION.describe(steps=lambda t: [str(s) for s in steps_for(t, Strategy(strategy))])
-        self.emit("trace_opened", state=None, trigger=None, pid=100 + rank, host="h", rotated_to=None,
-                  strategy=strategy, guard_timeout_s=5.0, machine=machine)
-
-    def emit(self, event: str, *, state: Any = "<cur>", trigger: Any = None, epoch: int | None = None,
-             dt: float = 0.001, **fields: Any) -> None:
-        self.mono += int(dt * 1e9)
-        rec = {"v": 2, "rank": self.rank, "world": self.world, **fields,
-               "epoch": self.epoch if epoch is None else epoch,
-               "state": self.state if state == "<cur>" else state, "trigger": trigger, "event": event,
-               "seq": self.seq, "mono_ns": self.mono, "wall": self.wall0 + self.mono / 1e9}
-        self.seq += 1
-        self.lines.append(orjson.dumps(rec))
-
-    def transition(self, trigger: str, *, stop: str | None = None, dest: str | None = None,
-                   tensors: str = TENSORS, plan: list[str] | None = None, slow: float = 1.0,
-                   guard_error: dict[str, Any] | None = None, step_error: dict[str, Any] | None = None,
-                   verify_failed: list[str] | None = None, steps: list[str] | None = None) -> None:
-        """One transition; ``stop`` ends the trace inside it ("planning", "guard" or an action name)."""
-        t = DEFINITION.transition(_state(self.state), Trigger(trigger))
-        dest = dest or (t.dest.value if t else "TRAINING")
-        if steps is None:
-            steps = [str(s) for s in steps_for(t, Strategy(self.strategy))] if t else ["backup(actor)"]
-        if trigger == "offload":
-            self.epoch += 1
-        self.emit("transition_started", trigger=trigger, dest=dest, steps=steps)
-        if stop == "planning":
-            return
-        base = {"trigger": trigger}
-        guard_s = 0.0
-        if trigger == "sync":
-            self.emit("guard_entered", key=hash((self.epoch, tensors, tuple(plan or SYNC_PLAN))) & (2**62 - 1),
-                      collectives=plan or SYNC_PLAN, tensors=tensors, **base)
-            if stop == "guard":
-                return
-            if guard_error is not None:
-                self.emit("guard_failed", dt=0.5, **guard_error, **base)
-                self.emit("transition_failed", state="FAILED", source=self.state, action=None, phase="guard",
-                          error=guard_error["error"], message=guard_error["message"], **base)
-                self.state = "FAILED"
-                return
-            guard_s = 0.002
-            self.emit("guard_passed", duration_s=guard_s, dt=guard_s, **base)
-        work = 0.0
-        for step in steps:
-            self.emit("action_started", action=step, mem_before=None, **base)
-            if stop == step:
-                return
-            if step_error is not None and step == step_error["action"]:
-                self.emit("transition_failed", state="FAILED", source=self.state, phase="step", **step_error,
-                          **base)
-                self.state = "FAILED"
-                return
-            if verify_failed is not None and step == "verify":
-                self.emit("verify_failed", tensors=verify_failed, where="trainer", **base)
-                self.emit("transition_failed", state="FAILED", source=self.state, action="verify", phase="step",
-                          error="VerificationError", message=f"{len(verify_failed)} trainer tensor(s) differ",
-                          **base)
-                self.state = "FAILED"
-                return
-            d = 0.01 * slow
-            work += d
-            self.emit("action_finished", action=step, duration_s=d, bytes_moved=None, host_bytes=None,
-                      mem_before=None, mem_after=None, dt=d, **base)
-        src = self.state
-        self.state = dest
-        self.emit("transition_finished", source=src, duration_s=work + guard_s, **base)
-
-    def cycles(self, n: int, **per_trigger: dict[str, Any]) -> None:
-        if self.state == "INITIAL":
-            self.transition("start")
-        for _ in range(n):
-            for trig in CYCLE:
-                self.transition(trig.value, **per_trigger.get(trig.value, {}))
-                if self.state == "FAILED":
-                    return
-
-    def write(self, root: Path, *, tail: bytes = b"") -> Path:
-        path = root / f"rank-{self.rank}.jsonl"
-        path.write_bytes(b"\n".join(self.lines) + b"\n" + tail)
-        return path
-
-
-def _state(name: str):
-    from miles_fsm.states import State
-
-    return State(name)
-
-
-def healthy(root: Path, world: int = 3, cycles: int = 2, **kw: Any) -> list[RankWriter]:
-    writers = [RankWriter(r, world, **kw) for r in range(world)]
-    for w in writers:
-        w.cycles(cycles)
-        w.write(root)
-    return writers
-
+from trace_writer import RankWriter, healthy
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(["replay", *argv])

@@ -1,0 +1,125 @@
+"""Type checks of trace records: a record no writer could have made is a bad line, never a crash.
+
+The reader keeps a few records whole (failures, recoveries, the close) and
+the report and ``--json`` show their fields, so each field the diagnosis
+reads must have the type the schema gives it, and nothing may nest deeper
+than any writer nests. The hot records (transitions, guards) are checked
+inline by the reader, only for the fields it uses; this module checks the
+rest, and the Perfetto export checks every record it draws with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["I64", "MAX_DEPTH", "MAX_RANKS", "bad_guard", "bad_sig", "invalid", "label", "plain_int"]
+
+#: Integers the reader stores in 64-bit arrays must fit them.
+I64 = 1 << 63
+#: Rank numbers (file names, ``world``, culprits) at or above this are not believed.
+MAX_RANKS = 1 << 20
+#: Deeper than any record a writer makes (``fields`` of an error: three levels).
+MAX_DEPTH = 16
+
+_NAMES = ("event", "state", "trigger", "run", "error", "message", "transport", "action", "phase", "where",
+          "source", "dest", "after", "field", "detail", "how")  # fmt: skip
+_RANK_LISTS = ("culprits", "missing")
+
+
+def invalid(rec: Mapping[str, Any]) -> str | None:
+    """Why a record cannot be read as the schema says (which field, what it holds), or None."""
+    for key in _NAMES:
+        v = rec.get(key)
+        if v is not None and v.__class__ is not str:
+            return f"{key} holds {_kind(v)}, not a string"
+    for key in ("epoch", "seq"):
+        v = rec.get(key)
+        if v is not None and plain_int(v) is None:
+            return f"{key} holds {_kind(v)}, not an integer"
+    why = _ranks_field(rec, "culprits")
+    if why is not None:
+        return why
+    tensors = rec.get("tensors")
+    if tensors is not None and tensors.__class__ is not str and plain_int(tensors) is None and not _strings(tensors):
+        return f"tensors holds {_kind(tensors)}, not a digest, a count or a list of names"
+    clean = rec.get("clean")
+    if clean is not None and clean.__class__ is not bool:
+        return f"clean holds {_kind(clean)}, not true or false"
+    fields = rec.get("fields")
+    if fields is not None:
+        if not isinstance(fields, dict):
+            return f"fields holds {_kind(fields)}, not an object"
+        for key in ("field", "detail", "how"):
+            v = fields.get(key)
+            if v is not None and v.__class__ is not str:
+                return f"fields.{key} holds {_kind(v)}, not a string"
+        for key in _RANK_LISTS:
+            why = _ranks_field(fields, key)
+            if why is not None:
+                return f"fields.{why}"
+    if _depth(rec, MAX_DEPTH) > MAX_DEPTH:
+        return f"nested deeper than {MAX_DEPTH} levels"
+    return None
+
+
+def bad_sig(sig: tuple[Any, ...]) -> str | None:
+    """Why a transition's (trigger, source, dest, steps) are not names, or None."""
+    trigger, source, dest, steps = sig
+    if trigger.__class__ is not str:
+        return "trigger is not a name"
+    if any(x is not None and x.__class__ is not str for x in (source, dest)):
+        return "state or dest is not a name"
+    if not all(s.__class__ is str for s in steps):
+        return "steps are not names"
+    return None
+
+
+def bad_guard(g: tuple[Any, ...]) -> str | None:
+    """Why a guard's (key, collectives, tensors) are not what the schema says, or None."""
+    key, cols, tensors = g
+    if key is not None and (key.__class__ is not int or not -I64 <= key < 2 * I64):
+        return "key is not a 64-bit integer"
+    if not all(c.__class__ is str for c in cols) or (tensors is not None and tensors.__class__ is not str):
+        return "collectives or tensors are not names"
+    return None
+
+
+def plain_int(v: Any) -> int | None:
+    """``v`` if it is an integer that fits 64 bits (not a bool), else None."""
+    return v if v.__class__ is int and -I64 <= v < I64 else None
+
+
+def label(v: Any) -> str:
+    """A name to show for a value a record gives as a name: itself if a string, else its kind."""
+    return v if v.__class__ is str else f"<{_kind(v)}>"
+
+
+def _ranks_field(rec: Mapping[str, Any], key: str) -> str | None:
+    v = rec.get(key)
+    if v is None:
+        return None
+    if v.__class__ is not list or not all(r.__class__ is int and 0 <= r < MAX_RANKS for r in v):
+        return f"{key} holds {_kind(v)}, not a list of ranks"
+    return None
+
+
+def _strings(v: Any) -> bool:
+    return v.__class__ is list and all(x.__class__ is str for x in v)
+
+
+def _depth(v: Any, limit: int) -> int:
+    if limit < 0:
+        return 1
+    if isinstance(v, dict):
+        return 1 + max((_depth(x, limit - 1) for x in v.values()), default=0)
+    if isinstance(v, list):
+        return 1 + max((_depth(x, limit - 1) for x in v), default=0)
+    return 0
+
+
+def _kind(v: Any) -> str:
+    if v.__class__ is int:
+        return "an integer out of range"
+    return {dict: "an object", list: "a list", str: "a string", float: "a number", bool: "true or false",
+            type(None): "null"}.get(v.__class__, type(v).__name__)  # fmt: skip

@@ -1,0 +1,376 @@
+"""The fold of one rank's trace: its records, in order, into a ``RankTrace``.
+
+Action records are most of a trace and only the last one matters to the
+diagnosis (what a stopped rank was inside), so they are recognised by a
+byte search and not parsed. Every other record is parsed with orjson and
+folded into per-position arrays: the n-th transition a rank started is its
+position n, which is how ranks are aligned later, by per-rank order and
+epoch, never by wall time.
+
+The fold also re-drives the machine with the recorded triggers, actions not
+run, and notes every transition the machine forbids. The machine is the one
+the trace itself names: ``trace_opened`` carries the writer's transition
+table (``Definition.describe``), so replay needs no copy of the lifecycle's
+code and reads traces of any machine.
+
+The fold trusts line order only as far as the sequence numbers bear it out:
+at every parsed record, the lines since the last one must account for the
+``seq`` step (a step larger than the lines is lost records; a smaller one
+is disorder or a duplicate, an action line that is not a record, or
+another run). Then it returns False and the reader sorts the records
+first: the check costs a few integer operations per parsed record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from miles_fsm.schema import (
+    ACTION_STARTED,
+    GUARD_ENTERED,
+    GUARD_FAILED,
+    GUARD_PASSED,
+    RECOVERED,
+    STORE_UNREACHABLE,
+    TRACE_CLOSED,
+    TRACE_OPENED,
+    TRANSITION_CANCELLED,
+    TRANSITION_FAILED,
+    TRANSITION_FINISHED,
+    TRANSITION_STARTED,
+    VERIFIED,
+    VERIFY_FAILED,
+)
+from miles_fsm.trace_checks import I64, bad_guard, bad_sig, invalid, label, plain_int
+from miles_fsm.trace_files import preview
+from miles_fsm.trace_model import (
+    CANCELLED,
+    FAILED,
+    FINISHED,
+    NO_GUARD,
+    OPEN,
+    UNCLOSED,
+    BadLine,
+    EpochRange,
+    Illegal,
+    MachineTable,
+    Position,
+    RankTrace,
+)
+from miles_fsm.trace_order import bad_line
+
+__all__ = ["fold"]
+
+_ACTION = b'"event":"action_'
+
+
+def fold(
+    t: RankTrace, source: Iterable[tuple[list[bytes], bool]], path: Path, epochs: EpochRange | None,
+    want_run: str | None,
+    *,
+    run_known: bool = False,
+) -> bool:
+    """Fold records in line order; False when their sequence numbers say the lines are not in ``seq`` order,
+    or that they hold another run than ``want_run`` (any one run, if None, unless ``run_known``)."""
+    # The hot loop keeps its state in locals: it runs once per line of every rank.
+    loads = orjson.loads
+    decode_error = orjson.JSONDecodeError
+    action = _ACTION
+    nan = math.nan
+    sig_ids: dict[tuple[Any, ...], int] = {}
+    guard_ids: dict[tuple[Any, ...], int] = {NO_GUARD: 0}
+    t.guard_table.append(NO_GUARD)
+    checked: dict[tuple[Any, ...], str | None] = {}
+    epochs_append, sigs_append, guards_append = t.epochs.append, t.sigs.append, t.guards.append
+    work_append, outcome = t.work_s.append, t.outcome
+    # The open transition: its line (0: none), sig id, guard id (-1: no guard record yet), phase.
+    cur_line = 0
+    cur_epoch = -1
+    cur_sig = 0
+    cur_guard = -1
+    cur_guard_s = 0.0
+    cur_phase = ""
+    cur_rec: dict[str, Any] = {}
+    # Where the machine is, re-driven from the records; its table comes with trace_opened.
+    table: MachineTable | None = None
+    machine: str | None = None
+    pending: str | None = None
+    last_action_line = 0
+    last_action = b""
+    last_parsed_line = 0
+    first_rec: dict[str, Any] | None = None
+    last_rec: dict[str, Any] | None = None
+    # seq - line + lines skipped, at the last parsed record: it never falls from one record to the next
+    # (it rises by the records lost), unless the lines are out of seq order.
+    offset = -1
+    # The run of trace_opened; the hot records are not checked against it (another run restarts seq).
+    run0: Any = want_run if run_known else _NO_RUN
+    closed_line = closed_skipped = 0
+    lo, hi = -I64, I64
+    skipped = 0
+    lineno = 0
+
+    def close(code: bytes, work: float) -> None:
+        # No guard record: skipped (no collectives) once steps ran or the transition
+        # closed; unknown (-1) while it may still be planning.
+        g = cur_guard if cur_guard >= 0 or (code == OPEN and cur_phase == "planning") else 0
+        epochs_append(cur_epoch)
+        sigs_append(cur_sig)
+        guards_append(g)
+        work_append(work)
+        outcome.extend(code)
+
+    def illegal(line: int, rec: dict[str, Any], reason: str, position: int) -> None:
+        trigger, state = rec.get("trigger"), rec.get("state")
+        t.illegal.append(
+            Illegal(rank=t.rank, position=position, line=line, seq=rec.get("seq"), epoch=plain_int(rec.get("epoch")),
+                    trigger=label(trigger) if trigger is not None else None,
+                    state=label(state) if state is not None else None, reason=reason)  # fmt: skip
+        )
+
+    def bad(line: int, reason: str, raw: bytes) -> None:
+        t.bad.append(BadLine(path=str(path), line=line, reason=reason, text=preview(raw)))
+
+    for lines, complete in source:
+        for line in lines:
+            lineno += 1
+            # Action records are most of a trace; only the last one is ever needed.
+            if complete and line.rfind(action) >= 0 and line[-1:] == b"}":
+                last_action_line = lineno
+                last_action = line
+                continue
+            try:
+                rec = loads(line)
+                event = rec["event"]
+            except decode_error as exc:
+                skipped += 1
+                if not line or line.isspace():
+                    continue
+                if complete:
+                    t.bad.append(bad_line(path, lineno, line, complete, exc))
+                else:
+                    t.truncated = bad_line(path, lineno, line, complete, exc)
+                continue
+            except (KeyError, TypeError, IndexError):
+                skipped += 1
+                bad(lineno, "not a trace record", line)
+                continue
+            seq = rec.get("seq")
+            if seq.__class__ is not int or (k := seq - lineno + skipped) < offset:
+                return False
+            offset = k
+            last_parsed_line = lineno
+            last_rec = rec
+            if epochs is not None and rec.get("epoch") not in epochs and event != TRACE_OPENED \
+                    and event != TRACE_CLOSED:  # fmt: skip
+                continue
+            if event == TRANSITION_STARTED:
+                trigger = rec.get("trigger")
+                source = rec.get("state")
+                dest = rec.get("dest")
+                steps = rec.get("steps")
+                sig = (trigger, source, dest, tuple(steps) if steps.__class__ is list else ())
+                try:
+                    sig_id = sig_ids.get(sig, -1)
+                except TypeError:  # a list or an object where a name belongs
+                    sig_id, why = -1, "a list or an object where a name belongs"
+                else:
+                    why = bad_sig(sig) if sig_id < 0 else None
+                if why is not None:
+                    skipped += 1
+                    bad(lineno, f"not a trace record: {why}", line)
+                    continue
+                if sig_id < 0:
+                    sig_id = sig_ids[sig] = len(t.sig_table)
+                    t.sig_table.append(sig)
+                if cur_line:
+                    close(UNCLOSED, nan)
+                cur_sig = sig_id
+                epoch = rec.get("epoch")
+                cur_epoch = epoch if epoch.__class__ is int and lo <= epoch < hi else -1
+                cur_line, cur_guard, cur_guard_s, cur_phase, cur_rec = lineno, -1, 0.0, "planning", rec
+                if machine is None:
+                    machine = source
+                if table is None:
+                    pending = dest  # no table to check against: the trace is believed
+                else:
+                    key = (machine, cur_sig)
+                    verdict = checked.get(key, _UNCHECKED)
+                    if verdict is _UNCHECKED:
+                        verdict = checked[key] = table.forbids(machine, trigger, source, dest, sig[3])
+                    if verdict is not None:
+                        illegal(lineno, rec, verdict, len(outcome))
+                    legal = table.arrows.get((machine, trigger))
+                    pending = legal[0] if legal is not None and machine == source else dest
+            elif event == TRANSITION_FINISHED:
+                state = rec.get("state")
+                if state is not None and state.__class__ is not str:
+                    skipped += 1
+                    bad(lineno, "not a trace record: state is not a name", line)
+                    continue
+                if cur_line:
+                    d = rec.get("duration_s")
+                    close(FINISHED, d - cur_guard_s if d.__class__ is float else nan)
+                    cur_line = 0
+                else:
+                    illegal(lineno, rec, "transition_finished without transition_started", len(outcome) - 1)
+                if pending is not None and state != pending:
+                    illegal(lineno, rec, f"finished in {state}, but the machine moves to {pending}", len(outcome) - 1)
+                machine = state
+                pending = None
+            elif event == GUARD_ENTERED:
+                if cur_line:
+                    cols = rec.get("collectives")
+                    g = (rec.get("key"), tuple(cols) if cols.__class__ is list else (), rec.get("tensors"))
+                    try:
+                        guard_id = guard_ids.get(g, -1)
+                    except TypeError:  # a list or an object where a name belongs
+                        guard_id, why = -1, "a list or an object where a name belongs"
+                    else:
+                        why = bad_guard(g) if guard_id < 0 else None
+                    if why is not None:
+                        skipped += 1
+                        bad(lineno, f"not a trace record: {why}", line)
+                        continue
+                    if guard_id < 0:
+                        guard_id = guard_ids[g] = len(t.guard_table)
+                        t.guard_table.append(g)
+                    cur_guard = guard_id
+                    cur_phase = "guard"
+            elif event == GUARD_PASSED:
+                if cur_line:
+                    d = rec.get("duration_s")
+                    cur_guard_s = d if d.__class__ is float else 0.0
+                    cur_phase = "between steps"
+            elif event == VERIFIED:
+                t.verified += 1
+            elif event.__class__ is not str:
+                skipped += 1
+                bad(lineno, "not a trace record: event is not a name", line)
+            elif rec.get("run") != run0 and event != TRACE_OPENED:
+                # Another run's records that keep the seq count going (a restart resets it): read it sorted.
+                return False
+            elif event in _KEPT_WHOLE and (why := invalid(rec)) is not None:
+                skipped += 1
+                bad(lineno, f"not a trace record: {why}", line)
+            elif event == TRANSITION_FAILED or event == TRANSITION_CANCELLED:
+                t.note(bool(cur_line), lineno, event, rec)
+                if cur_line:
+                    close(FAILED if event == TRANSITION_FAILED else CANCELLED, nan)
+                    cur_line = 0
+                else:
+                    illegal(lineno, rec, f"{event} without transition_started", len(outcome) - 1)
+                if event == TRANSITION_FAILED:
+                    machine = table.failed if table is not None else rec.get("state")
+                pending = None
+            elif event in (GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE):
+                t.note(bool(cur_line), lineno, event, rec)
+            elif event == RECOVERED:
+                t.note(bool(cur_line), lineno, event, rec)
+                target = rec.get("state")
+                if table is None:
+                    pass
+                elif machine not in (None, table.failed):
+                    reason = f"recovered from {machine}, but only {table.failed} can be recovered from"
+                    illegal(lineno, rec, reason, len(outcome) - 1)
+                elif target not in table.cycle_states:
+                    illegal(lineno, rec, f"recovered to {target}, which is not a cycle state", len(outcome) - 1)
+                machine = target
+            elif event == TRACE_OPENED:
+                if run0 is _NO_RUN:
+                    run0 = rec.get("run")
+                    if want_run is not None and run0 != want_run:
+                        return False
+                elif rec.get("run") != run0:
+                    return False
+                t.opened += 1
+                if t.opened == 1:
+                    t.meta = {k: v for k, v in rec.items() if k not in _COMMON}
+                    first_rec = rec
+                    t.meta["schema"] = plain_int(rec.get("v"))
+                    table = t.table = MachineTable.parse(t.meta.pop("machine", None))
+                    if epochs is None and machine is None and table is not None:
+                        machine = table.initial
+                if rec.get("rank") != t.rank:
+                    t.meta["rank_in_records"] = label(rec.get("rank")) if plain_int(rec.get("rank")) is None \
+                        else rec.get("rank")  # fmt: skip
+            elif event == TRACE_CLOSED:
+                t.closed, closed_line, closed_skipped = rec, lineno, skipped
+                if rec.get("clean") is not True:
+                    t.note(bool(cur_line), lineno, event, rec)
+            else:
+                t.unknown_events += 1
+                # A driver's or the demo's own failure (``error``), or a fault it located itself
+                # (a ``culprits`` list): kept as evidence, once its fields are what they claim.
+                culprits = rec.get("culprits")
+                if (culprits.__class__ is list and culprits) or rec.get("error") is not None:
+                    why = invalid(rec)
+                    if why is not None:
+                        skipped += 1
+                        bad(lineno, f"not a trace record: {why}", line)
+                    else:
+                        t.note(bool(cur_line), lineno, event, rec)
+    # Action lines are not parsed; the last one is, and its seq must follow from those after the last record.
+    act_rec: dict[str, Any] | None = None
+    if last_action_line:
+        try:
+            act_rec = loads(last_action)
+        except decode_error:
+            return False
+        if not isinstance(act_rec, dict):
+            return False
+        if last_action_line > last_parsed_line:
+            # The action lines after the last parsed record: the last one's seq accounts for them.
+            act_seq = act_rec.get("seq")
+            if act_seq.__class__ is not int or act_seq - lineno + skipped < offset or act_rec.get("run") != (
+                    want_run if run0 is _NO_RUN else run0):  # fmt: skip
+                return False
+    if last_rec is not None and last_rec.get("run") != run0:
+        return False
+    t.lines = lineno
+    t.records = lineno - skipped
+    t.max_seq = act_rec["seq"] if act_rec is not None and last_action_line > last_parsed_line \
+        else last_rec["seq"] if last_rec is not None else -1  # fmt: skip
+    if closed_line:
+        t.after_close = (lineno - closed_line) - (skipped - closed_skipped)
+    if run0 is not _NO_RUN:
+        t.runs = {run0: t.records}
+        t.run = run0
+    if first_rec is not None or last_rec is not None:
+        t.track(first_rec or last_rec, 0)
+    if last_rec is not None:
+        t.track(last_rec, last_parsed_line)
+    if act_rec is not None and last_action_line > last_parsed_line:
+        t.track(act_rec, last_action_line)
+    if cur_line:
+        act = None
+        if act_rec is not None and last_action_line > cur_line:
+            act = act_rec.get("action")
+            act = act if act.__class__ is str else None
+            cur_phase = "step" if act_rec.get("event") == ACTION_STARTED else "between steps"
+        wall = cur_rec.get("wall")
+        t.open = Position(
+            index=len(outcome),
+            epoch=cur_epoch,
+            trigger=str(cur_rec.get("trigger")),
+            source=str(cur_rec.get("state")),
+            phase=cur_phase,
+            action=act,
+            since_wall=wall if wall.__class__ in (int, float) else None,
+            since_mono_ns=plain_int(cur_rec.get("mono_ns")),
+        )
+        close(OPEN, nan)
+    return True
+
+
+_UNCHECKED = object()
+_NO_RUN = object()
+_COMMON = frozenset(("v", "run", "rank", "world", "epoch", "seq", "mono_ns", "wall", "event", "state", "trigger"))
+#: Records the reader keeps whole (notes) or re-drives the machine with: their fields are checked first.
+_KEPT_WHOLE = frozenset((TRANSITION_FAILED, TRANSITION_CANCELLED, GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE,
+                         RECOVERED, TRACE_CLOSED))  # fmt: skip
