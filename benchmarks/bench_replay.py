@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from miles_fsm.states import DEFINITION, Strategy, Trigger
+from miles_fsm.states import DEFINITION, Strategy, Trigger, steps_for
 
 __all__ = ["write_synthetic"]
 
@@ -52,7 +52,7 @@ def _variant(
 
     def emit(event: str, epoch: int, state: str | None, trigger: str | None, **fields: Any) -> None:
         nonlocal seq
-        rec = {"v": 1, "rank": 0, "world": world, **fields, "epoch": epoch, "state": state, "trigger": trigger,
+        rec = {"v": 2, "run": "bench", "rank": 0, "world": world, **fields, "epoch": epoch, "state": state, "trigger": trigger,
                "event": event, "seq": seq, "mono_ns": mono, "wall": wall + mono / 1e9}
         seq += 1
         out.append(dumps(rec))
@@ -61,8 +61,9 @@ def _variant(
         nonlocal mono
         mono += int(s * 1e9)
 
+    machine = DEFINITION.describe(steps=lambda t: [str(x) for x in steps_for(t, Strategy.REMATERIALIZE)])
     emit("trace_opened", 0, None, None, pid=1000, host="node0", rotated_to=None, strategy="rematerialize",
-         guard_timeout_s=60.0)
+         guard_timeout_s=60.0, machine=machine)
     state, epoch = DEFINITION.initial, 0
     table = {t.source: t for t in DEFINITION.transitions}
     for n in range(transitions):
@@ -70,7 +71,7 @@ def _variant(
         if t.trigger is Trigger.OFFLOAD:
             epoch += 1
         trig = t.trigger.value
-        steps = [str(s) for s in t.steps_for(Strategy.REMATERIALIZE)]
+        steps = [str(s) for s in steps_for(t, Strategy.REMATERIALIZE)]
         emit("transition_started", epoch, state.value, trig, dest=t.dest.value, steps=steps)
         t0 = mono
         guard = _GUARDED.get(t.trigger)
@@ -94,6 +95,7 @@ def _variant(
         emit("transition_finished", epoch, t.dest.value, trig, source=state.value, duration_s=(mono - t0) / 1e9)
         state = t.dest
         tick(1e-4)
+    emit("trace_closed", epoch, state.value, None, clean=True)
     return b"\n".join(out) + b"\n"
 
 
@@ -118,10 +120,10 @@ def write_synthetic(
         diverge_at = next(n for n in range(int(transitions * 0.9), transitions) if (n - 1) % 5 == 3)  # a sync
         special[ranks - 1] = _variant(transitions, ranks, seed=2000, diverge_at=diverge_at)
     total = 0
-    prefix = b'{"v":1,"rank":0,'
+    prefix = b'{"v":2,"run":"bench","rank":0,'
     for r in range(ranks):
         data = special.get(r, bases[r % variants])
-        data = data.replace(prefix, b'{"v":1,"rank":%d,' % r)
+        data = data.replace(prefix, b'{"v":2,"run":"bench","rank":%d,' % r)
         (root / f"rank-{r}.jsonl").write_bytes(data)
         total += len(data)
     return {"bytes": total, "straggler": straggler, "diverging_rank": ranks - 1 if diverge_at is not None else None,

@@ -84,10 +84,6 @@ def test_injected_fault_meets_the_contract(kind, mode, rank, step, tmp_path, cap
     assert took < GUARD_S + MARGIN_S, f"{took:.1f} s from the fault to the last rank out"
     code = replay_code(tmp_path, capfd)
     print(f"FAULT-MATRIX {kind}:{rank}:{step} {mode}: {took:.2f} s from fault to last rank out")
-    if kind == "stall" and code == 0:
-        # Replay's side of issue 14: OK only when every trace ends with a clean trace_closed.
-        # The survivors' traces end unclean and the stalled rank's not at all; replay does not read that yet.
-        pytest.xfail("replay calls a run whose traces end unclean healthy (replay's part of issue 14)")
     assert code == 3
 
 

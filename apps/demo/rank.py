@@ -23,6 +23,7 @@ from typing import Any
 from miles_fsm.apps.demo.events import DEMO_FAILED, DEMO_STEP
 from miles_fsm.apps.demo.faults import demo_trainer_cls, hang_forever
 from miles_fsm.apps.demo.locate import locate, publish_pid
+from miles_fsm.errors import describe
 from miles_fsm.launch import RankContext
 from miles_fsm.states import Strategy
 
@@ -130,8 +131,7 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
                 state=lc.state.value,
                 trigger=None,
                 where=where,
-                error=type(exc).__name__,
-                message=str(exc),
+                **describe(exc),  # error, message, and fields or transport: replay reads them, never the text
                 culprits=list(located.culprits) if located is not None else None,
             )
             if located is not None:
