@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from pathlib import Path
 from typing import Any, NoReturn
@@ -58,12 +59,21 @@ def _injection(text: str) -> Injection:
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from miles_fsm.apps.demo.torchrun import torchrun_run_id, under_torchrun
+
     out = Console(highlight=False, soft_wrap=True)
+    torchrun = under_torchrun()
+    if torchrun:
+        # Every worker must name the same folder: torchrun's run id does, a timestamp would not.
+        default_dir = Path("miles-fsm-traces") / torchrun_run_id()
+        args.ranks = int(os.environ["WORLD_SIZE"])
+    else:
+        default_dir = fresh_trace_dir(Path("miles-fsm-traces"))
     config = DemoConfig(
         ranks=args.ranks,
         steps=args.steps,
         mode=Strategy(args.mode),
-        trace_dir=args.trace_dir if args.trace_dir is not None else fresh_trace_dir(Path("miles-fsm-traces")),
+        trace_dir=args.trace_dir if args.trace_dir is not None else default_dir,
         injections=tuple(args.inject),
         guard_timeout_s=args.guard_timeout,
         layers=args.layers,
@@ -74,6 +84,12 @@ def _run(args: argparse.Namespace) -> int:
     problems = config.problems()
     if problems:
         _usage_error(args, "; ".join(problems))
+    if torchrun:
+        from miles_fsm.apps.demo.torchrun import torchrun_demo
+
+        # The workers share the folder; the demo's own launcher is torchrun's agent here.
+        config.trace_dir.mkdir(parents=True, exist_ok=True)
+        return torchrun_demo(config, out)
     from miles_fsm.apps.demo.tracedir import prepare_trace_dir
 
     try:

@@ -18,7 +18,7 @@ from miles_fsm.trace_model import RankTrace
 from miles_fsm.trace_reader import read_ranks
 from miles_fsm.tracing import new_run_id, trace_path
 
-__all__ = ["run_demo"]
+__all__ = ["result_of", "run_demo"]
 
 
 def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
@@ -59,7 +59,11 @@ def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
     finally:
         if watcher is not None:
             watcher.stop()
-    wall = time.monotonic() - started
+    return result_of(config, run, outcomes, time.monotonic() - started)
+
+
+def result_of(config: DemoConfig, run: str, outcomes: Any, wall: float) -> DemoResult:
+    """The run's result from the ranks' outcomes and this run's traces (whatever launched the ranks)."""
     traces = _read_traces(config.trace_dir, config.ranks, run)
     failed = not all(o.ok for o in outcomes)
     replay = diagnose(list(traces.values()), expected=range(config.ranks)) if failed and traces else None
