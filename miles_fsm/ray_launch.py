@@ -103,7 +103,7 @@ def run_ranks_ray(
             ray.kill(a, no_restart=True)
         if started_ray:
             ray.shutdown()
-    return [outcomes.get(r, RayOutcome(r, None)) for r in range(world)]
+    return [outcomes.get(r, RayOutcome(r, None, killed=True)) for r in range(world)]
 
 
 def _outcome(ray: Any, ref: Any, rank: int, elapsed: float) -> RayOutcome:
