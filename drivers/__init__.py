@@ -10,6 +10,8 @@ dependencies: import them from their modules (``miles_fsm.drivers.megatron``,
 
 from typing import TYPE_CHECKING
 
+from miles_fsm.lazy import lazy_exports
+
 _LAZY = {
     "CpuMemorySaver": "miles_fsm.drivers.cpu_memory",
     "MemorySaver": "miles_fsm.drivers.cpu_memory",
@@ -24,13 +26,4 @@ if TYPE_CHECKING:
     from miles_fsm.drivers.reference import ReferenceTrainer
     from miles_fsm.drivers.reference_engine import ReferenceEngine
 
-
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'miles_fsm.drivers' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

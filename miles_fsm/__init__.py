@@ -7,6 +7,8 @@
 # tools import this package without paying for torch.
 from typing import TYPE_CHECKING
 
+from miles_fsm.lazy import lazy_exports
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -194,16 +196,4 @@ if TYPE_CHECKING:
         TrainerDriver,
     )
 
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'miles_fsm' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

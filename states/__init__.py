@@ -8,6 +8,9 @@ that never touch torch.
 
 from typing import TYPE_CHECKING
 
+from miles_fsm.lazy import lazy_exports
+
+from miles_fsm.states import definition as _definition
 from miles_fsm.states.definition import (
     CYCLE,
     DEFINITION,
@@ -36,25 +39,7 @@ _LAZY = {
     "TrainerDriver": "miles_fsm.states.protocols",
 }
 
-__all__ = sorted(
-    [
-        "CYCLE",
-        "DEFINITION",
-        "ENGINE_TAGS",
-        "TRAINER_TAGS",
-        "Definition",
-        "Side",
-        "State",
-        "Step",
-        "StepKind",
-        "Strategy",
-        "Transition",
-        "Trigger",
-        "lifecycle_definition",
-        "steps_for",
-        *_LAZY,
-    ]
-)
+__all__ = sorted([*_definition.__all__, *_LAZY])
 
 if TYPE_CHECKING:
     from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow
@@ -62,13 +47,4 @@ if TYPE_CHECKING:
     from miles_fsm.states.memory import MemoryLedger
     from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver
 
-
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'miles_fsm.states' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -28,3 +28,25 @@ def live_processes() -> list[Proc]:
         if fields[0] != "Z":
             out.append(Proc(pid=int(entry), ppid=int(fields[1]), sid=int(fields[3])))
     return out
+
+
+def run_in_session(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``cmd`` in a session of its own (stdout and stderr together); afterwards nothing of that session
+    may be alive (launchers such as torchrun start processes that outlive a careless test)."""
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    deadline = time.monotonic() + 10
+    while [p for p in live_processes() if p.sid == proc.pid] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p.pid for p in live_processes() if p.sid == proc.pid]
+    assert not left, f"processes left behind: {left}"
+    return proc.returncode, out

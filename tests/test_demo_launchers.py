@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from proctable import live_processes
+from proctable import run_in_session
 
 pytestmark = pytest.mark.slow
 
@@ -17,20 +16,7 @@ BIN = Path(sys.executable).parent
 
 
 def _run(cmd: list[str], timeout: float = 180) -> tuple[int, str]:
-    """Run in a session of its own; nothing of it may be left afterwards."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-    deadline = time.monotonic() + 10
-    while [p for p in live_processes() if p.sid == proc.pid] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in live_processes() if p.sid == proc.pid], "processes left behind"
-    return proc.returncode, out
+    return run_in_session(cmd, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_torchrun_workers_run_the_demo_and_rank_0_reports(tmp_path):

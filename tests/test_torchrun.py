@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
 import pytest
-from proctable import live_processes
+from proctable import run_in_session
 
 pytestmark = pytest.mark.slow
 
@@ -23,26 +21,14 @@ def _torchrun(tmp_path: Path, **kwargs) -> tuple[int, dict[int, dict]]:
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.2",
            str(WORKER), str(tmp_path), json.dumps(kwargs)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # A session of its own: afterwards, nothing of it (agent, workers) may be left in that session.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
-    try:
-        proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-    deadline = time.monotonic() + 5
-    while [p for p in live_processes() if p.sid == proc.pid] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in live_processes() if p.sid == proc.pid], "torchrun left processes behind"
+    code, _ = run_in_session(cmd, timeout=120, env=env)
     records = {}
     for r in range(2):
         for kind in ("result", "error"):
             f = tmp_path / f"rank-{r}.{kind}.json"
             if f.exists():
                 records[r] = {"kind": kind, **orjson.loads(f.read_bytes())}
-    return proc.returncode, records
+    return code, records
 
 
 def test_two_torchrun_workers_run_verified_cycles(tmp_path):
