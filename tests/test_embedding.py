@@ -102,3 +102,16 @@ def test_one_rank_calls_the_engine_and_every_rank_shares_the_outcome(fail_push, 
     assert leader["failed_in"] == follower["failed_in"] == "engine.push_weights"
     assert leader["error"] == {"type": "RuntimeError"}
     assert follower["error"] == {"type": "PeerStepFailedError", "ranks": [0]}
+
+
+def test_several_ranks_in_the_environment_without_a_process_group_is_an_error(monkeypatch):
+    """WORLD_SIZE=2 but no init_process_group: building a Lifecycle raises ProcessGroupMissingError (it used to
+    run alone, its guards checking nothing and its trace claiming rank 0); Guard.solo() runs one rank on purpose."""
+    from miles_fsm import Guard, ProcessGroupMissingError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ProcessGroupMissingError, match=r"WORLD_SIZE=2 \(RANK=1\)") as info:
+        Lifecycle(trainer=ToyTrainer())
+    assert info.value.world_size == 2
+    assert Lifecycle(trainer=ToyTrainer(), guard=Guard.solo()).world == 1
