@@ -339,7 +339,10 @@ def explain_divergence(intents: "Sequence[Intent]", *, previous: Intent | None =
                 groups[f[name]].append(r)
             differences[name] = dict(groups)
     field = next(iter(differences))
-    before = dict(previous.fields()).get(field) if previous is not None else None
+    # The last agreement is evidence only if every rank looks back at the same trigger's: ranks that
+    # fired different triggers each hold another history, and would each blame the others.
+    same_trigger = "trigger" not in differences and previous is not None and previous.trigger == intents[0].trigger
+    before = dict(previous.fields()).get(field) if same_trigger else None
     found = suspects(differences[field], previous=before)
     detail = ""
     # A different tensor set usually explains a different collective plan too

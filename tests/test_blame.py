@@ -43,3 +43,12 @@ def test_suspects_prefers_evidence_to_the_majority():
     found = suspects({"new": [0, 1], "old": [2]}, previous="old")
     assert found.ranks == (0, 1) and found.how == "changed"
     assert suspects({"x": [0], "y": [1]}).tie
+
+
+def test_ranks_that_fired_different_triggers_do_not_use_their_own_histories():
+    """Rank 1 fired offload where rank 0 fired sync: each rank's last agreement is of another trigger, so none is
+    evidence; every rank reaches the same verdict (here a plain tie), whatever history it passes."""
+    sync, offload = _intent(2, ("a",), trigger="sync"), _intent(2, ("a",), trigger="offload")
+    for previous in (_intent(1, ("a",), trigger="sync"), _intent(1, ("a",), trigger="offload"), None):
+        err = explain_divergence([sync, offload], previous=previous)
+        assert (err.culprits, err.how) == ((0, 1), "tie")
