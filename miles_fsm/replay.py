@@ -19,6 +19,8 @@ from typing import Any, TextIO
 import orjson
 
 from miles_fsm.diagnosis import Diagnosis, diagnose, rank_ranges
+from miles_fsm.errors import list_names
+from miles_fsm.evidence import first_line
 from miles_fsm.perfetto import OutputPathError, check_output
 from miles_fsm.ranks import plural_ranks
 from miles_fsm.trace_checks import MAX_RANKS
@@ -229,7 +231,7 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             grouped[(v["epoch"], v["transition"], v["where"], tuple(v["tensors"]))].append(v["rank"])
         for (epoch, trigger, where, tensors), ranks in list(grouped.items())[:_LIST_LIMIT]:
             add((None, f"  {plural_ranks(ranks)}, {trigger} (epoch {epoch}, {where}): {len(tensors)} tensor(s): "
-                       f"{_names(list(tensors))}"))
+                       f"{list_names(list(tensors))}"))
 
     if d.failures:
         shown = [f for f in d.failures if not f["verification"]]
@@ -237,7 +239,7 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             add(("bold", "\nFailed actions"))
             for f in shown[:_LIST_LIMIT]:
                 add((None, f"  rank {f['rank']}: {f['action']} of {f['transition']} (epoch {f['epoch']}): "
-                           f"{f['error']}: {_first_line(f['message'])}"))
+                           f"{f['error']}: {first_line(f['message'] or '')}"))
             _more(L, shown)
 
     # A rank already FAILED by a transition carries that failure out of its step and its lifecycle: shown above.
@@ -339,14 +341,6 @@ def _value(v: Any) -> str:
     if isinstance(v, list):
         return ", ".join(map(str, v)) if v else "(none)"
     return "(none)" if v is None else str(v)
-
-
-def _names(names: Sequence[str], limit: int = 8) -> str:
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _first_line(text: str | None) -> str:
-    return text.splitlines()[0] if text else ""
 
 
 def _secs(s: float) -> str:
