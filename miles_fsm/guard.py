@@ -11,19 +11,19 @@ state, by every rank that did.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import threading
 import time
-from collections import defaultdict
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import torch
 import torch.distributed as dist
 
-from miles_fsm.blame import suspects
+from miles_fsm.disagreement import explain_divergence
 from miles_fsm.errors import (
     ConfigError,
     GuardTimeoutError,
@@ -36,13 +36,11 @@ from miles_fsm.errors import (
 from miles_fsm.plan import Intent
 from miles_fsm.tracing import new_run_id
 
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-
 __all__ = ["Guard"]
 
 _SERIALS = itertools.count()
 _ARRIVED = "entered guard of"
+_JOINED = "built its guard"
 
 #: A rank that waits at a guard longer than this publishes its arrival to the
 #: store, so that if some rank never comes, every rank that did can be told
@@ -82,6 +80,9 @@ class Guard:
         serial = next(_SERIALS) if world > 1 else 0
         self.namespace = f"miles_fsm/{name or 'guard'}.{serial}/"
         self._publisher = _Publisher(store, self._last_key(rank)) if world > 1 else None
+        if self._publisher is not None:
+            # Every rank's key exists from the start, so one multi_get reads them all.
+            self._publisher.set_now(_record(-1, "", "", _JOINED))
         #: The last guard every rank passed: where a rank that later goes missing was last seen.
         self._last_passed: LastSeen | None = None
         #: Per trigger, the intent every rank agreed on the last time it passed.
@@ -214,15 +215,24 @@ class Guard:
         self._publisher.set_now(_record(intent_epoch, trigger, state, phase))
 
     def last_seen(self) -> dict[int, LastSeen | None]:
-        """What the store last heard from each rank (None: nothing, or store unreachable)."""
+        """What the store last heard from each rank (None: nothing, or store unreachable).
+
+        One ``check`` and one ``multi_get`` for all ranks (two round trips,
+        whatever the world size), not two per rank; key by key only while
+        some rank has not even built its guard yet (a ``get`` would wait).
+        """
+        keys = [self._last_key(r) for r in range(self.world)]
+        try:
+            if self._store.check(keys):
+                raws: list[bytes | None] = list(self._store.multi_get(keys))
+            else:
+                raws = [self._store.get(k) if self._store.check([k]) else None for k in keys]
+        except RuntimeError:  # the store's host may be the rank that died
+            return {r: None for r in range(self.world)}
         seen: dict[int, LastSeen | None] = {}
-        for r in range(self.world):
-            key = self._last_key(r)
-            try:
-                raw = self._store.get(key) if self._store.check([key]) else None
-            except RuntimeError:  # the store's host may be the rank that died
-                raw = None
-            seen[r] = None if raw is None else LastSeen(rank=r, **orjson.loads(raw))
+        for r, raw in enumerate(raws):
+            record = None if raw is None else LastSeen(rank=r, **orjson.loads(raw))
+            seen[r] = None if record is None or record.phase == _JOINED else record
         return seen
 
     def _last_key(self, rank: int) -> str:
@@ -268,10 +278,25 @@ class Guard:
         return stored
 
     def _divergence(self, intent: Intent) -> RankDivergenceError:
-        gathered: list[Intent | None] = [None] * self.world
-        dist.all_gather_object(gathered, intent, group=self._group)
-        intents = [i for i in gathered if i is not None]
+        """Explain a divergence with O(N) bytes: hashes of every field from every rank, then the
+        whole intent only from one rank per distinct intent (not every rank's from every rank)."""
+        fields = intent.fields()
+        mine = torch.tensor([_hash(value) for _, value in fields], dtype=torch.int64)
+        hashes = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(hashes, mine, group=self._group)
+        rows = [tuple(h.tolist()) for h in hashes]
+        representative = {row: rows.index(row) for row in dict.fromkeys(rows)}
+        by_rep: dict[int, Intent] = {}
+        for row, rep in representative.items():
+            box = [intent if rep == self.rank else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, rep), group=self._group)
+            by_rep[rep] = box[0]
+        intents = [by_rep[representative[row]] for row in rows]
         return explain_divergence(intents, previous=self._agreed.get(intent.trigger))
+
+def _hash(text: str) -> int:
+    # 63 bits of a stable hash (Python's hash() differs between processes).
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
 def _record(epoch: int, trigger: str, state: str, phase: str) -> bytes:
@@ -320,64 +345,6 @@ class _Publisher:
                     # that, and the trace keeps everything the store would have.
                     return
                 published = armed
-
-
-def explain_divergence(intents: "Sequence[Intent]", *, previous: Intent | None = None) -> RankDivergenceError:
-    """Group ranks by intent, field by field, and name the suspects (rank r is intents[r]).
-
-    ``previous`` is the intent every rank agreed on the last time this
-    trigger passed: ranks that changed since are the suspects
-    (``miles_fsm.blame``), the same rule replay applies.
-    """
-    by_field = [dict(i.fields()) for i in intents]
-    names = [name for name, _ in intents[0].fields()]
-    differences: dict[str, dict[str, list[int]]] = {}
-    for name in names:
-        if len({f[name] for f in by_field}) > 1:
-            groups: dict[str, list[int]] = defaultdict(list)
-            for r, f in enumerate(by_field):
-                groups[f[name]].append(r)
-            differences[name] = dict(groups)
-    field = next(iter(differences))
-    # The last agreement is evidence only if every rank looks back at the same trigger's: ranks that
-    # fired different triggers each hold another history, and would each blame the others.
-    same_trigger = "trigger" not in differences and previous is not None and previous.trigger == intents[0].trigger
-    before = dict(previous.fields()).get(field) if same_trigger else None
-    found = suspects(differences[field], previous=before)
-    detail = ""
-    # A different tensor set usually explains a different collective plan too
-    # (a dropped param shrinks the buffer), so name the tensors either way.
-    if len({i.tensors.digest for i in intents}) > 1:
-        by_set: dict[str, list[int]] = defaultdict(list)
-        for r, i in enumerate(intents):
-            by_set[i.tensors.digest].append(r)
-        detail = _tensor_set_detail(intents, by_set)
-    return RankDivergenceError(
-        epoch=min(i.epoch for i in intents),
-        trigger=intents[0].trigger,
-        field=field,
-        groups=differences[field],
-        detail=detail,
-        culprits=found.ranks,
-        how=found.how,
-        differences=differences,
-        positions={r: f"epoch {i.epoch}, {i.trigger}" for r, i in enumerate(intents)},
-    )
-
-
-def _tensor_set_detail(intents: "Sequence[Intent]", groups: dict[str, list[int]]) -> str:
-    sets = {label: intents[ranks[0]].tensors for label, ranks in groups.items()}
-    union = frozenset().union(*(s.names for s in sets.values()))
-    parts = []
-    for label, ranks in groups.items():
-        lacking = sorted(union - sets[label].names)
-        if lacking:
-            parts.append(f"ranks [{', '.join(map(str, ranks))}] lack {', '.join(lacking[:8])}")
-    if not parts:  # same names, other shapes or dtypes
-        specs = [set(s.specs) for s in sets.values()]
-        odd = sorted({s.name for s in set.union(*specs) - set.intersection(*specs)})
-        parts.append("same names, different shape or dtype for " + ", ".join(odd[:8]))
-    return "; ".join(parts)
 
 
 def _failed(seen: LastSeen | None) -> bool:
