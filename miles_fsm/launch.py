@@ -35,8 +35,16 @@ from typing import Any
 
 from miles_fsm.errors import MilesFsmError
 
-__all__ = ["EXIT_LAUNCHER_LOST", "LaunchInterrupted", "LauncherLostError", "RankContext", "RankError",
-           "RankOutcome", "run_ranks"]
+__all__ = [
+    "EXIT_LAUNCHER_LOST",
+    "LaunchInterrupted",
+    "LauncherLostError",
+    "RankContext",
+    "RankError",
+    "RankOutcome",
+    "flatten_error",
+    "run_ranks",
+]
 
 #: A rank's exit code when it stopped because its launcher died.
 EXIT_LAUNCHER_LOST = 75
@@ -115,7 +123,8 @@ class RankOutcome:
         return self.exitcode == 0 and self.error is None
 
 
-def _flatten(exc: BaseException) -> RankError:
+def flatten_error(exc: BaseException) -> RankError:
+    """An exception as a ``RankError``: its type, message, fields (a miles-fsm error's) and traceback."""
     # A miles-fsm error's facts are its fields; other errors carry none.
     attrs = {k: v for k, v in exc.fields().items() if v is not None} if isinstance(exc, MilesFsmError) else {}
     return RankError(type(exc).__name__, str(exc), attrs, "".join(traceback.format_exception(exc)))
@@ -203,7 +212,7 @@ def _child(
     try:
         result = fn(ctx)
     except BaseException as exc:  # reported to the parent, then the child exits non-zero
-        results.put((rank, None, _flatten(exc), time.monotonic() - started))
+        results.put((rank, None, flatten_error(exc), time.monotonic() - started))
         results.close()
         results.join_thread()
         os._exit(1)

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from miles_fsm.launch import RankContext, RankOutcome
-from miles_fsm.launch import _flatten as flatten_error
+from miles_fsm.launch import RankContext, RankOutcome, flatten_error
 
 __all__ = ["RayOutcome", "run_ranks_ray"]
 

@@ -369,7 +369,7 @@ class Lifecycle:
         if unbuilt or not reruns:
             pending = self._actions.pending_verification
             why = (f"trainer tags {unbuilt} were resumed but not rebuilt" if unbuilt else
-                   f"the params' bytes are {'known bad' if failure.step.startswith('verify') else 'not rebuilt'}")
+                   f"the params' bytes are {'known bad' if ran[-1].step.kind is StepKind.VERIFY else 'not rebuilt'}")
             raise RecoveryError(
                 target=target.value,
                 reason=f"{failure.trigger.value} failed in {failure.step} (epoch {failure.epoch}): {why}, and "

@@ -10,10 +10,9 @@ Fault injection stays with the reference trainer (``config.problems()`` says so)
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
+from miles_fsm.apps.demo.timing import PhaseTimer
 from miles_fsm.launch import RankContext
 
 __all__ = ["megatron_rank_main"]
@@ -39,18 +38,10 @@ def megatron_rank_main(ctx: RankContext) -> dict[str, Any]:
         ),
         trace_meta={"demo": {"steps": kw["steps"], "trainer": "megatron"}},
     )
-    rows: list[dict[str, Any]] = []
     held: dict[str, int] = {}
     verified: list[int] = []
 
-    def timed(name: str, fn: Callable[[], Any]) -> Any:
-        saver.reset_peak()
-        t0 = time.perf_counter()
-        out = fn()
-        rows.append({"name": name, "epoch": lc.epoch, "duration_s": time.perf_counter() - t0,
-                     "bytes_moved": getattr(out, "bytes_moved", None), "peak_bytes": saver.peak_bytes(),
-                     "host_bytes": trainer.host_bytes() + saver.host_bytes()})  # fmt: skip
-        return out
+    timed = PhaseTimer(saver=saver, epoch=lambda: lc.epoch, host_bytes=lambda: trainer.host_bytes() + saver.host_bytes())
 
     with lc:
         timed("start", lc.start)
@@ -70,4 +61,4 @@ def megatron_rank_main(ctx: RankContext) -> dict[str, Any]:
                 return trainer.train_step(step=step)
 
             timed("train", train)
-    return {"rows": rows, "verified": verified, "held": held, "weights": len(trainer.tensors())}
+    return {"rows": timed.rows, "verified": verified, "held": held, "weights": len(trainer.tensors())}

@@ -15,14 +15,13 @@ collectives.
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from miles_fsm.apps.demo.events import DEMO_FAILED, DEMO_STEP
 from miles_fsm.apps.demo.faults import demo_trainer_cls, hang_forever
 from miles_fsm.apps.demo.locate import locate, publish_pid
+from miles_fsm.apps.demo.timing import PhaseTimer
 from miles_fsm.errors import describe
 from miles_fsm.launch import RankContext
 from miles_fsm.states import Strategy
@@ -71,25 +70,11 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
     # A rank whose launcher died closes its trace with that error, so the
     # trace never reads as a run that ended well.
     ctx.on_launcher_lost(lambda error: lc.close(error=error))
-    rows: list[dict[str, Any]] = []
     held: dict[str, int] = {}
     verified: list[int] = []
 
-    def timed(name: str, fn: Callable[[], Any]) -> Any:
-        saver.reset_peak()
-        t0 = time.perf_counter()
-        out = fn()
-        rows.append(
-            {
-                "name": name,
-                "epoch": lc.epoch,
-                "duration_s": time.perf_counter() - t0,
-                "bytes_moved": getattr(out, "bytes_moved", None),
-                "peak_bytes": saver.peak_bytes(),
-                "host_bytes": trainer.backup_host_bytes() + saver.host_bytes(),
-            }
-        )
-        return out
+    timed = PhaseTimer(saver=saver, epoch=lambda: lc.epoch,
+                       host_bytes=lambda: trainer.backup_host_bytes() + saver.host_bytes())  # fmt: skip
 
     wake = lc.definition.path(State.PAUSED, State.TRAINING) or ()
     where = "start"
@@ -137,7 +122,7 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
             if located is not None:
                 raise located from exc
             raise
-    return {"rows": rows, "verified": verified, "held": held, "weights": len(trainer.weights())}
+    return {"rows": timed.rows, "verified": verified, "held": held, "weights": len(trainer.weights())}
 
 
 def guarded_train(lc: Any, trainer: Any, rollouts: Any, prompt_len: int) -> float:
