@@ -11,9 +11,6 @@ injection kind: how long until the demo exits, and whom it names.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +18,9 @@ import time
 from pathlib import Path
 
 import orjson
+
+from machine import describe_machine, spread
+from rich.console import Console
 
 from miles_fsm.apps.demo import INJECTION_KINDS, DemoConfig, Injection, run_demo
 from miles_fsm.states import Strategy
@@ -42,14 +42,17 @@ def main() -> int:
     parser.add_argument("--guard-timeout", type=float, default=3.0, help="for the injection runs")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="miles-fsm-bench-demo-"))
+    console = Console(stderr=True)
     report: dict = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "benchmark": "demo",
+        "machine": describe_machine(),
+        "repeats": args.repeats,
         "defaults": {"ranks": DemoConfig().ranks, "steps": DemoConfig().steps},
         "modes": {},
         "injections": [],
     }
     for mode in Strategy:
+        console.log(f"{mode.value}: {args.repeats} CLI runs, then {args.repeats} in-process runs")
         cli = [_cli_wall(mode.value, tmp / f"cli-{mode.value}-{i}") for i in range(args.repeats)]
         runs = [run_demo(DemoConfig(mode=mode, trace_dir=tmp / f"run-{mode.value}-{i}")) for i in range(args.repeats)]
         if not all(r.ok for r in runs):
@@ -63,8 +66,8 @@ def main() -> int:
                 "host_bytes": row["host_bytes"],
             }
         report["modes"][mode.value] = {
-            "cli_wall_s": {"median": statistics.median(cli), "max": max(cli), "all": cli},
-            "run_demo_wall_s": {"median": statistics.median(r.wall_s for r in runs)},
+            "cli_wall_s": {**spread(cli), "all": cli},
+            "run_demo_wall_s": spread(r.wall_s for r in runs),
             "phases": phases,
             "held_while_paused": runs[-1].held(),
         }
@@ -74,6 +77,7 @@ def main() -> int:
                 mode=mode, steps=3, guard_timeout_s=args.guard_timeout,
                 injections=(Injection(kind=kind, rank=1, step=2),), trace_dir=tmp / f"inj-{kind}-{mode.value}",
             )
+            console.log(f"injection {kind}:1:2 under {mode.value}")
             result = run_demo(cfg)
             report["injections"].append(
                 {"kind": kind, "mode": mode.value, "guard_timeout_s": args.guard_timeout, "wall_s": result.wall_s,
@@ -81,6 +85,12 @@ def main() -> int:
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    for mode, row in report["modes"].items():
+        console.print(f"{mode}: CLI {row['cli_wall_s']['median']:.2f} s (min {row['cli_wall_s']['min']:.2f}, "
+                      f"max {row['cli_wall_s']['max']:.2f}), run_demo {row['run_demo_wall_s']['median']:.2f} s")
+    for row in report["injections"]:
+        console.print(f"{row['kind']:>10} {row['mode']:>13}: {row['wall_s']:.2f} s, exit {row['exit_code']}, "
+                      f"culprits {row['culprits']}")
     print(f"wrote {args.out}")
     return 0
 
