@@ -289,7 +289,8 @@ class Guard:
                 return report
         missing, seen = self._poll_missing(intent, timed_out)
         if reporter:
-            body = {"missing": missing, "seen": {r: None if seen[r] is None else dataclasses.asdict(seen[r]) for r in missing}}
+            sightings = {r: None if seen[r] is None else dataclasses.asdict(seen[r]) for r in missing}
+            body = {"missing": missing, "seen": sightings}
             try:
                 self._store.set(key, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS))
             except RuntimeError:
