@@ -6,11 +6,14 @@ difference do the ranks gather their full intents to explain it.
 
 Each rank publishes where it is to the torch.distributed store before the
 all-reduce, so a rank that never arrives can be named, with its last known
-state, by every rank that did.
+state, by every rank that did. On such a failure one survivor, the first to
+claim it in the store, reads every rank's key and publishes the report; the
+others wait for that one key, so the store serves O(N) requests, not N^2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -53,6 +56,10 @@ _POLL_S = 0.01
 #: arrival before naming who is missing. Short: they were all about to arrive.
 _ARRIVAL_GRACE_S = 2.0
 
+#: How long a survivor waits for the reporter's report before reading the store
+#: itself (the reporter may have died): the reporter's grace, plus a loaded store's margin.
+_REPORT_WAIT_S = _ARRIVAL_GRACE_S + 3.0
+
 
 class Guard:
     """Cross-rank agreement on transitions, one instance per rank."""
@@ -87,6 +94,9 @@ class Guard:
         self._last_passed: LastSeen | None = None
         #: Per trigger, the intent every rank agreed on the last time it passed.
         self._agreed: dict[str, Intent] = {}
+        #: How many times this guard was entered: the same on every rank at the same guard,
+        #: so it names one failure's report in the store.
+        self._entries = 0
 
     @classmethod
     def solo(cls) -> "Guard":
@@ -156,6 +166,7 @@ class Guard:
         """
         if self.world == 1:
             return
+        self._entries += 1
         arrival = _record(intent.epoch, intent.trigger, state, _ARRIVED)
         self._publisher.arm(arrival)
         key = intent.key
@@ -248,6 +259,54 @@ class Guard:
 
     def _missing_error(self, intent: Intent, exc: RuntimeError, waited: float, limit: float) -> Exception:
         timed_out = waited >= limit * 0.9 or "timed out" in str(exc).lower()
+        missing, seen = self._missing_report(intent, timed_out)
+        last = {r: self._best_sighting(r, seen.get(r)) for r in missing}
+        if timed_out:
+            return GuardTimeoutError(
+                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=limit
+            )
+        return PeerLostError(
+            epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0]
+        )
+
+    def _missing_report(self, intent: Intent, timed_out: bool) -> tuple[list[int], dict[int, LastSeen | None]]:
+        """Who is missing, and what the store last heard from them, as the reporter read it.
+
+        The first survivor to ``add`` to the failure's claim key reads the store and
+        publishes the report; the others spend one ``wait`` and one ``get`` on it
+        instead of polling every rank's key. A survivor reads the store itself when
+        no report comes in time (the reporter died) or the report names it (it came
+        after the reporter read).
+        """
+        key = f"{self.namespace}report/{self._entries}/{intent.epoch}/{intent.trigger}"
+        try:
+            reporter = self._store.add(f"{key}/claim", 1) == 1
+        except RuntimeError:  # the store's host is gone: reading it says so (every rank None)
+            reporter = True
+        if not reporter:
+            report = self._wait_report(key)
+            if report is not None and self.rank not in report[0]:
+                return report
+        missing, seen = self._poll_missing(intent, timed_out)
+        if reporter:
+            sightings = {r: None if seen[r] is None else dataclasses.asdict(seen[r]) for r in missing}
+            body = {"missing": missing, "seen": sightings}
+            try:
+                self._store.set(key, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS))
+            except RuntimeError:
+                pass  # the store is gone: the others' wait fails too, and they read it themselves
+        return missing, {r: seen[r] for r in missing}
+
+    def _wait_report(self, key: str) -> tuple[list[int], dict[int, LastSeen | None]] | None:
+        try:
+            self._store.wait([key], timedelta(seconds=_REPORT_WAIT_S))
+            body = orjson.loads(bytes(self._store.get(key)))
+        except RuntimeError:  # no report in time (torch's DistStoreError is one), or the store is gone
+            return None
+        seen = {int(r): None if d is None else LastSeen(**d) for r, d in body["seen"].items()}
+        return list(body["missing"]), seen
+
+    def _poll_missing(self, intent: Intent, timed_out: bool) -> tuple[list[int], dict[int, LastSeen | None]]:
         deadline = time.monotonic() + (0.0 if timed_out else _ARRIVAL_GRACE_S)
         while True:
             seen = self.last_seen()
@@ -257,15 +316,7 @@ class Guard:
                 break
             time.sleep(0.05)
         # Ranks that published a failure are not missing: they are failing with us.
-        missing = [r for r in missing if not _failed(seen[r])]
-        last = {r: self._best_sighting(r, seen[r]) for r in missing}
-        if timed_out:
-            return GuardTimeoutError(
-                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=limit
-            )
-        return PeerLostError(
-            epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0]
-        )
+        return [r for r in missing if not _failed(seen[r])], seen
 
     def _best_sighting(self, rank: int, stored: LastSeen | None) -> LastSeen | None:
         """The store's record if it is a failure; else the last guard all ranks passed together
