@@ -151,6 +151,7 @@ class Tracer:
         # The async API writes from the event-loop thread too: one lock keeps
         # the file's line order equal to seq order.
         self._lock = threading.Lock()
+        self._acquire, self._release = self._lock.acquire, self._lock.release
         context = {"v": SCHEMA_VERSION, "run": self.run, "rank": rank, "world": world}
         # structlog's pipeline as one loop over its processors, without a bound
         # logger around it: the wrapper's own work (level filtering, context
@@ -178,10 +179,14 @@ class Tracer:
         event_dict: Any = fields
         host = _STRUCTLOG_VARS
         processors = self._processors if host is not None and not host else self._with_host_context
-        with self._lock:
+        # acquire/release rather than ``with``: half the cost on CPython 3.11, as safe under try/finally.
+        self._acquire()
+        try:
             for proc in processors:
                 event_dict = proc(None, "info", event_dict)
             _write(self._fd, event_dict)
+        finally:
+            self._release()
 
     def close(self, *, epoch: int = 0, state: str | None = None, error: BaseException | None = None) -> None:
         """Write ``trace_closed`` (``clean`` unless ``error``) and close the file. Idempotent."""
