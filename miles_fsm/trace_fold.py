@@ -2,7 +2,9 @@
 
 Action records are most of a trace and only the last one matters to the
 diagnosis (what a stopped rank was inside), so they are recognised by a
-byte search and not parsed. Every other record is parsed with orjson and
+byte search and not parsed. Transition, guard and verify records of the
+shape ``Lifecycle`` writes are decoded by msgspec into one typed struct
+(``miles_fsm.trace_hot``); every other line is parsed with orjson. All are
 folded into per-position arrays: the n-th transition a rank started is its
 position n, which is how ranks are aligned later, by per-rank order and
 epoch, never by wall time.
@@ -48,6 +50,7 @@ from miles_fsm.schema import (
 )
 from miles_fsm.trace_checks import I64, bad_guard, bad_sig, invalid, label, plain_int
 from miles_fsm.trace_files import preview
+from miles_fsm.trace_hot import HOT_EVENTS, decode_hot, hot_errors
 from miles_fsm.trace_model import (
     CANCELLED,
     FAILED,
@@ -79,6 +82,7 @@ def fold(
     or that they hold another run than ``want_run`` (any one run, if None, unless ``run_known``)."""
     # The hot loop keeps its state in locals: it runs once per line of every rank.
     loads = orjson.loads
+    hot = HOT_EVENTS
     decode_error = orjson.JSONDecodeError
     action = _ACTION
     nan = math.nan
@@ -95,7 +99,7 @@ def fold(
     cur_guard = -1
     cur_guard_s = 0.0
     cur_phase = ""
-    cur_rec: dict[str, Any] = {}
+    cur_raw = b""  # the open transition's transition_started line, parsed only if it stays open
     # Where the machine is, re-driven from the records; its table comes with trace_opened.
     table: MachineTable | None = None
     machine: str | None = None
@@ -104,7 +108,7 @@ def fold(
     last_action = b""
     last_parsed_line = 0
     first_rec: dict[str, Any] | None = None
-    last_rec: dict[str, Any] | None = None
+    last_raw = b""  # the last record's line, parsed once, at the end
     # seq - line + lines skipped, at the last parsed record: it never falls from one record to the next
     # (it rises by the records lost), unless the lines are out of seq order.
     offset = -1
@@ -145,35 +149,44 @@ def fold(
                 last_action = line
                 continue
             try:
-                rec = loads(line)
-                event = rec["event"]
-            except decode_error as exc:
-                skipped += 1
-                if not line or line.isspace():
+                h = decode_hot(line)
+            except hot_errors:
+                h = None
+            if h is not None and h.event in hot:
+                rec, event, seq = None, h.event, h.seq
+            else:
+                h = None
+                try:
+                    rec = loads(line)
+                    event = rec["event"]
+                except decode_error as exc:
+                    skipped += 1
+                    if not line or line.isspace():
+                        continue
+                    if complete:
+                        t.bad.append(bad_line(path, lineno, line, complete, exc))
+                    else:
+                        t.truncated = bad_line(path, lineno, line, complete, exc)
                     continue
-                if complete:
-                    t.bad.append(bad_line(path, lineno, line, complete, exc))
-                else:
-                    t.truncated = bad_line(path, lineno, line, complete, exc)
-                continue
-            except (KeyError, TypeError, IndexError):
-                skipped += 1
-                bad(lineno, "not a trace record", line)
-                continue
-            seq = rec.get("seq")
+                except (KeyError, TypeError, IndexError):
+                    skipped += 1
+                    bad(lineno, "not a trace record", line)
+                    continue
+                seq = rec.get("seq")
             if seq.__class__ is not int or (k := seq - lineno + skipped) < offset:
                 return False
             offset = k
             last_parsed_line = lineno
-            last_rec = rec
-            if epochs is not None and rec.get("epoch") not in epochs and event != TRACE_OPENED \
-                    and event != TRACE_CLOSED:  # fmt: skip
+            last_raw = line
+            if epochs is not None and (h.epoch if h is not None else rec.get("epoch")) not in epochs \
+                    and event != TRACE_OPENED and event != TRACE_CLOSED:  # fmt: skip
                 continue
             if event == TRANSITION_STARTED:
-                trigger = rec.get("trigger")
-                source = rec.get("state")
-                dest = rec.get("dest")
-                steps = rec.get("steps")
+                if h is not None:
+                    trigger, source, dest, steps = h.trigger, h.state, h.dest, h.steps
+                else:
+                    trigger, source = rec.get("trigger"), rec.get("state")
+                    dest, steps = rec.get("dest"), rec.get("steps")
                 sig = (trigger, source, dest, tuple(steps) if steps.__class__ is list else ())
                 try:
                     sig_id = sig_ids.get(sig, -1)
@@ -191,9 +204,9 @@ def fold(
                 if cur_line:
                     close(UNCLOSED, nan)
                 cur_sig = sig_id
-                epoch = rec.get("epoch")
+                epoch = h.epoch if h is not None else rec.get("epoch")
                 cur_epoch = epoch if epoch.__class__ is int and lo <= epoch < hi else -1
-                cur_line, cur_guard, cur_guard_s, cur_phase, cur_rec = lineno, -1, 0.0, "planning", rec
+                cur_line, cur_guard, cur_guard_s, cur_phase, cur_raw = lineno, -1, 0.0, "planning", line
                 if machine is None:
                     machine = source
                 if table is None:
@@ -204,29 +217,34 @@ def fold(
                     if verdict is _UNCHECKED:
                         verdict = checked[key] = table.forbids(machine, trigger, source, dest, sig[3])
                     if verdict is not None:
-                        illegal(lineno, rec, verdict, len(outcome))
+                        illegal(lineno, rec if rec is not None else loads(line), verdict, len(outcome))
                     legal = table.arrows.get((machine, trigger))
                     pending = legal[0] if legal is not None and machine == source else dest
             elif event == TRANSITION_FINISHED:
-                state = rec.get("state")
+                state = h.state if h is not None else rec.get("state")
                 if state is not None and state.__class__ is not str:
                     skipped += 1
                     bad(lineno, "not a trace record: state is not a name", line)
                     continue
                 if cur_line:
-                    d = rec.get("duration_s")
+                    d = h.duration_s if h is not None else rec.get("duration_s")
                     close(FINISHED, d - cur_guard_s if d.__class__ is float else nan)
                     cur_line = 0
                 else:
+                    rec = rec if rec is not None else loads(line)
                     illegal(lineno, rec, "transition_finished without transition_started", len(outcome) - 1)
                 if pending is not None and state != pending:
+                    rec = rec if rec is not None else loads(line)
                     illegal(lineno, rec, f"finished in {state}, but the machine moves to {pending}", len(outcome) - 1)
                 machine = state
                 pending = None
             elif event == GUARD_ENTERED:
                 if cur_line:
-                    cols = rec.get("collectives")
-                    g = (rec.get("key"), tuple(cols) if cols.__class__ is list else (), rec.get("tensors"))
+                    if h is not None:
+                        cols, key, tensors = h.collectives, h.key, h.tensors
+                    else:
+                        cols, key, tensors = rec.get("collectives"), rec.get("key"), rec.get("tensors")
+                    g = (key, tuple(cols) if cols.__class__ is list else (), tensors)
                     try:
                         guard_id = guard_ids.get(g, -1)
                     except TypeError:  # a list or an object where a name belongs
@@ -244,7 +262,7 @@ def fold(
                     cur_phase = "guard"
             elif event == GUARD_PASSED:
                 if cur_line:
-                    d = rec.get("duration_s")
+                    d = h.duration_s if h is not None else rec.get("duration_s")
                     cur_guard_s = d if d.__class__ is float else 0.0
                     cur_phase = "between steps"
             elif event == VERIFIED:
@@ -315,6 +333,7 @@ def fold(
                         bad(lineno, f"not a trace record: {why}", line)
                     else:
                         t.note(bool(cur_line), lineno, event, rec)
+    last_rec: dict[str, Any] | None = loads(last_raw) if last_parsed_line else None
     # Action lines are not parsed; the last one is, and its seq must follow from those after the last record.
     act_rec: dict[str, Any] | None = None
     if last_action_line:
@@ -353,6 +372,7 @@ def fold(
             act = act_rec.get("action")
             act = act if act.__class__ is str else None
             cur_phase = "step" if act_rec.get("event") == ACTION_STARTED else "between steps"
+        cur_rec = loads(cur_raw)
         wall = cur_rec.get("wall")
         t.open = Position(
             index=len(outcome),

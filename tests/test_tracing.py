@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import orjson
+import pytest
 import structlog
 
 from miles_fsm import Lifecycle, LifecycleConfig
@@ -115,3 +116,26 @@ def test_the_hosts_structlog_context_joins_every_record(tmp_path):
     first, bound, unbound, closed = [orjson.loads(x) for x in (tmp_path / "rank-0.jsonl").read_bytes().splitlines()]
     assert (bound["job"], bound["rl_step"]) == ("ppo-7", 3)
     assert "job" not in unbound and "job" not in first and closed["event"] == "trace_closed"
+
+
+def test_a_field_named_like_a_constant_field_wins_and_the_line_stays_json(tmp_path):
+    """A record that sets ``rank`` or ``world`` itself gets its own value, once, in a line that parses,
+    as a merged dict would have it; the records around it keep the tracer's values."""
+    tracer = Tracer(tmp_path, rank=2, world=4, run="r")
+    tracer.emit("demo_step", epoch=1, state=None, trigger=None, rank=7)
+    tracer.emit("demo_step", epoch=1, state=None, trigger=None)
+    tracer.close()
+    raw = (tmp_path / "rank-2.jsonl").read_bytes().splitlines()
+    overridden, plain = orjson.loads(raw[1]), orjson.loads(raw[2])
+    assert raw[1].count(b'"rank":') == 1 and overridden["rank"] == 7 and overridden["world"] == 4
+    assert (plain["rank"], plain["run"], plain["seq"]) == (2, "r", 2)
+
+
+def test_emit_after_close_fails_and_writes_nowhere(tmp_path):
+    """A record emitted after close() raises instead of landing in whatever file reuses the descriptor."""
+    tracer = Tracer(tmp_path, rank=0, world=1, run="r")
+    tracer.close()
+    other = tmp_path / "other.txt"
+    with open(other, "wb", buffering=0), pytest.raises(OSError):
+        tracer.emit("late", epoch=0, state=None, trigger=None)
+    assert other.read_bytes() == b""
