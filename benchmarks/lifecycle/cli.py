@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from machine import describe_machine
+
 from .cpu import run_cpu
 from .demo import demo_overhead
 from .gpu import run_gpu
@@ -36,6 +38,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "device": "cuda" if cuda else "cpu",
         "machine": {
+            **describe_machine(),  # the anchors every benchmark JSON records
             "host": platform.node(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
