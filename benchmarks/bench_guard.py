@@ -1,111 +1,220 @@
-"""Guard cost against a bare gloo all_reduce of the same size, and trace cost per event.
+"""The whole guarded path (planning + intent + guard) against a bare all-reduce, at 69 to 10 000 tensors.
 
-    python benchmarks/bench_guard.py --out bench-out/guard.json [--ranks 2 4 8] [--iters 400]
+    python benchmarks/bench_guard.py --out benchmarks/results/guard_cpu.json [--tensors 69 1000 10000]
+        [--ranks 2] [--runs 3] [--rounds 7] [--iters 40]
 
-Both are measured in the same processes, interleaved in blocks, so machine
-noise hits both alike. The guard's cost includes publishing the intent to
-the store (the parent hosts it, as in the demo and in torchrun).
+Per tensor count, in the same processes and on the same gloo group:
+
+- ``bare``: ``all_reduce`` of the guard's two int64 (MAX), what a guard cannot go below;
+- ``cached``: ``Lifecycle.agree_on`` with a trainer that has ``structure_version``
+  (the tensor set walked once, then served from the cache);
+- ``walked``: the same with a trainer without it (the set walked on every
+  guarded transition: what every transition paid before issue 18);
+- ``tensor_set``: ``trainer.tensor_set()`` alone, the walk itself (local).
+
+A round is a barrier, then ``--iters`` of each side (the two collective sides
+in alternating order from round to round); a round's figure is the median
+of its iterations, over ranks the median of the ranks' figures. Ratios are per
+round, both sides from that round; the JSON holds their spread over the
+rounds of each run, and the spread of the runs' medians over ``--runs``
+launches of fresh processes (between-run noise is what issue 18 saw).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from machine import describe_machine, ratio_spread, spread
 from miles_fsm.launch import RankContext, run_ranks
 
+GOAL_RATIO = 1.25  # issue 18: planning + guard <= 1.25x a bare all-reduce at 10 000 tensors
 
-def _rank(ctx: RankContext) -> dict:
+
+class _StubTrainer:
+    """A trainer driver whose ``tensor_set()`` walks ``n`` real (meta) tensors, like a model's params."""
+
+    def __init__(self, n: int) -> None:
+        import torch
+
+        from miles_fsm.states import Strategy
+
+        self._strategy = Strategy.REMATERIALIZE
+        shapes = ((4096, 1024), (1024,), (1024, 4096), (4096,))
+        self._tensors = {f"decoder.layers.{i // 4}.w{i % 4}": torch.empty(shapes[i % 4], dtype=torch.bfloat16,
+                                                                          device="meta") for i in range(n)}  # fmt: skip
+
+    strategy = property(lambda self: self._strategy)
+
+    def tensor_set(self) -> Any:
+        from miles_fsm.plan import TensorSet
+
+        return TensorSet.of(self._tensors.items())
+
+    def tensors(self) -> dict[str, Any]:
+        return self._tensors
+
+    def collectives(self, step: Any) -> tuple[Any, ...]:
+        return ()
+
+    def memory_in_use(self) -> None:
+        return None
+
+    # The cycle's steps never run here: agree_on guards a train step only.
+    backup = restore = copy = get = cast_main_to_params = param_sync = lambda self, *a: None
+    pause_memory = resume_memory = named_weights = lambda self, *a: None
+
+
+class _VersionedStub(_StubTrainer):
+    structure_version = property(lambda self: 0)
+
+
+def _median_of(fn: Any, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _rank(ctx: RankContext) -> dict[str, Any]:
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from miles_fsm.guard import Guard
-    from miles_fsm.plan import Collective, Intent, TensorSet, TensorSpec
+    from miles_fsm import Guard, GuardConfig, Lifecycle, LifecycleConfig
+    from miles_fsm.plan import Collective
 
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
-    guard = Guard.from_default_group(timeout_s=60)
-    tensors = TensorSet(tuple(TensorSpec(f"layers.{i}.weight", (1024, 1024), "bfloat16") for i in range(200)))
+    torch.set_num_threads(1)
+    kw = ctx.kwargs
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=120))
     buf = torch.zeros(2, dtype=torch.int64)
-    iters, block = ctx.kwargs["iters"], 20
-    bare: list[float] = []
-    guarded: list[float] = []
-    epoch = 0
-    for _ in range(iters // block):
-        dist.barrier(group=group)
-        for _ in range(block):
-            t0 = time.perf_counter()
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-            bare.append(time.perf_counter() - t0)
-        dist.barrier(group=group)
-        for _ in range(block):
-            epoch += 1
-            # A fresh intent each time: the guard's hashing is part of its cost.
-            intent = Intent(
-                epoch=epoch,
-                trigger="sync",
-                source="REMATERIALIZED",
-                dest="SYNCED",
-                strategy="rematerialize",
-                collectives=(Collective("all_gather", "dp", "bfloat16", 200 * 1024 * 1024),),
-                tensors=tensors,
-            )
-            t0 = time.perf_counter()
-            guard.agree(intent, state="REMATERIALIZED")
-            guarded.append(time.perf_counter() - t0)
-    return {"bare_s": statistics.median(bare), "guard_s": statistics.median(guarded)}
+    config = LifecycleConfig(guard=GuardConfig(timeout_s=120), run_id="bench-guard")
+    # One guard for every lifecycle here: a guard's publisher thread would otherwise be one more per lifecycle.
+    guard = Guard.from_group(group, timeout_s=120)
+    out: dict[str, Any] = {}
+    for n in kw["tensors"]:
+        cached = Lifecycle(trainer=_VersionedStub(n), config=config, guard=guard)
+        walked = Lifecycle(trainer=_StubTrainer(n), config=config, guard=guard)
+        walk_trainer = _StubTrainer(n)
+        collectives = (Collective("all_reduce", "dp", "float32", n * 1024),)
+        sides = {
+            "bare": lambda: dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group),
+            "cached": lambda: cached.agree_on("train", collectives),
+            "walked": lambda: walked.agree_on("train", collectives),
+        }
+        cached.agree_on("train", collectives)  # the first walk, and the guard's first all-reduce
+        walked.agree_on("train", collectives)
+        rounds: dict[str, list[float]] = {"bare": [], "cached": [], "walked": [], "tensor_set": []}
+        for r in range(kw["rounds"]):
+            order = ("bare", "cached", "walked") if r % 2 == 0 else ("cached", "bare", "walked")
+            for side in order:
+                dist.barrier(group=group)
+                rounds[side].append(_median_of(sides[side], kw["iters"]))
+            dist.barrier(group=group)
+            rounds["tensor_set"].append(_median_of(walk_trainer.tensor_set, kw["iters"]))
+        out[str(n)] = rounds
+    return out
 
 
-def trace_event_cost(n: int = 20000) -> float:
-    from miles_fsm.tracing import Tracer
+def _row(n: int, per_rank: list[dict[str, list[float]]]) -> dict[str, Any]:
+    sides = per_rank[0].keys()
+    # A round's figure: the median over ranks of each rank's median of that round.
+    rounds = {s: [statistics.median(r[s][i] for r in per_rank) * 1e6 for i in range(len(per_rank[0][s]))]
+              for s in sides}  # fmt: skip
+    return {
+        "tensors": n,
+        "bare_all_reduce_us": spread(rounds["bare"]),
+        "guarded_cached_us": spread(rounds["cached"]),
+        "guarded_walked_us": spread(rounds["walked"]),
+        "tensor_set_walk_us": spread(rounds["tensor_set"]),
+        "ratio_cached": ratio_spread(rounds["cached"], rounds["bare"]),
+        "ratio_walked": ratio_spread(rounds["walked"], rounds["bare"]),
+        "per_round_us": rounds,
+    }
 
-    with tempfile.TemporaryDirectory() as d:
-        t = Tracer(d, rank=0, world=1)
-        t0 = time.perf_counter()
-        for i in range(n):
-            t.emit("action_finished", epoch=1, state="TRAINING", trigger="offload", action="backup(actor)", duration_s=0.1)
-        cost = (time.perf_counter() - t0) / n
-        t.close()
-    return cost
+
+def _over_runs(n: int, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """One tensor count across runs (fresh processes each): each run's row, and the spread of their ratios."""
+    rows = [next(r for r in run if r["tensors"] == n) for run in runs]
+    return {
+        "tensors": n,
+        "runs": rows,
+        "ratio_cached_over_runs": spread(r["ratio_cached"]["median"] for r in rows),
+        "ratio_walked_over_runs": spread(r["ratio_walked"]["median"] for r in rows),
+    }
+
+
+def _span(s: dict[str, Any]) -> str:
+    return f"{s['median']:.2f} \\[{s['min']:.2f}..{s['max']:.2f}]"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--iters", type=int, default=400)
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/guard_cpu.json"))
+    ap.add_argument("--tensors", type=int, nargs="+", default=[69, 1000, 10000])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2])
+    ap.add_argument("--runs", type=int, default=3, help="launches of fresh rank processes (the spread between runs)")
+    ap.add_argument("--rounds", type=int, default=7, help="barrier-separated rounds per run")
+    ap.add_argument("--iters", type=int, default=40, help="iterations of each side per round")
     args = ap.parse_args()
-    rows = []
+    if args.rounds < 3 or args.runs < 1:
+        ap.error("--rounds must be at least 3 (a ratio's spread needs rounds) and --runs at least 1")
+    console = Console(stderr=True, width=150)
+    console.print("[bold]bench_guard[/]: measuring the machine's anchors")
+    result: dict[str, Any] = {"benchmark": "guard", "machine": describe_machine(), "runs": args.runs,
+                              "rounds": args.rounds, "iters": args.iters, "goal_ratio_at_10000": GOAL_RATIO,
+                              "worlds": []}  # fmt: skip
+    table = Table(title="guarded path vs bare all-reduce: run 1's per-round medians, us; ratios median \\[min..max]")
+    for col in ("ranks", "tensors", "bare", "cached", "walked", "tensor_set()", "cached/bare (rounds)",
+                "cached/bare (runs)", "walked/bare (runs)"):
+        table.add_column(col, justify="right")
     for world in args.ranks:
-        outs = run_ranks(_rank, world, timeout_s=600, kwargs={"iters": args.iters})
-        failed = [o for o in outs if not o.ok]
-        if failed:
-            print(f"world {world}: rank failures: {[(o.rank, o.error) for o in failed]}", file=sys.stderr)
-            return 1
-        bare = statistics.median(o.result["bare_s"] for o in outs)
-        guard = statistics.median(o.result["guard_s"] for o in outs)
-        rows.append({"ranks": world, "bare_all_reduce_us": bare * 1e6, "guard_us": guard * 1e6, "ratio": guard / bare})
-        print(f"ranks={world}: bare all_reduce {bare * 1e6:.0f} us, guard {guard * 1e6:.0f} us, ratio {guard / bare:.2f}")
-    per_event = trace_event_cost()
-    print(f"trace: {per_event * 1e6:.2f} us per event")
-    result = {
-        "benchmark": "guard",
-        "machine": {"platform": platform.platform(), "cpus": __import__("os").cpu_count(), "python": platform.python_version()},
-        "torch": __import__("torch").__version__,
-        "iters": args.iters,
-        "guard": rows,
-        "trace_event_us": per_event * 1e6,
-        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
+        runs = []
+        for k in range(args.runs):
+            console.print(f"ranks={world} run {k + 1}/{args.runs}: {args.rounds} rounds x {args.iters} iterations "
+                          f"at {args.tensors} tensors")  # fmt: skip
+            t0 = time.perf_counter()
+            outs = run_ranks(_rank, world, timeout_s=900, kwargs={"tensors": args.tensors, "rounds": args.rounds,
+                                                                  "iters": args.iters})  # fmt: skip
+            failed = [o for o in outs if not o.ok]
+            if failed:
+                console.print(f"[red]ranks={world}: rank failures[/]: {[(o.rank, o.error) for o in failed]}")
+                return 1
+            runs.append([_row(n, [o.result[str(n)] for o in outs]) for n in args.tensors])
+            at = {r["tensors"]: r["ratio_cached"]["median"] for r in runs[-1]}
+            console.print(f"  done in {time.perf_counter() - t0:.0f} s; cached/bare by tensors: "
+                          + ", ".join(f"{n}: {v:.2f}" for n, v in at.items()))  # fmt: skip
+        rows = [_over_runs(n, runs) for n in args.tensors]
+        result["worlds"].append({"ranks": world, "rows": rows})
+        for row in rows:
+            first = row["runs"][0]
+            table.add_row(str(world), str(row["tensors"]), f"{first['bare_all_reduce_us']['median']:.0f}",
+                          f"{first['guarded_cached_us']['median']:.0f}", f"{first['guarded_walked_us']['median']:.0f}",
+                          f"{first['tensor_set_walk_us']['median']:.0f}", _span(first["ratio_cached"]),
+                          _span(row["ratio_cached_over_runs"]), _span(row["ratio_walked_over_runs"]))  # fmt: skip
+    console.print(table)
+    for w in result["worlds"]:
+        for r in w["rows"]:
+            if r["tensors"] == 10000:
+                first, over = r["runs"][0]["ratio_cached"]["median"], r["ratio_cached_over_runs"]
+                met = over["max"] <= GOAL_RATIO
+                console.print(f"goal, ranks={w['ranks']} (<= {GOAL_RATIO}x at 10 000 tensors): {first:.2f}x in run 1, "
+                              f"{over['min']:.2f}..{over['max']:.2f}x over {over['rounds']} runs -> "
+                              f"{'[green]met[/]' if met else '[red]not met[/]'}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {args.out}")
     return 0
 
 

@@ -70,6 +70,7 @@ from miles_fsm.drivers.megatron_optimizer import (
     inner_optimizers,
 )
 from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
+from miles_fsm.drivers.structure import registrations
 from miles_fsm.errors import ConfigError, MemoryReleasedError
 from miles_fsm.plan import Collective, TensorSet
 from miles_fsm.states import Step, StepKind, Strategy
@@ -234,6 +235,15 @@ class MegatronTrainer:
     def tensor_set(self) -> TensorSet:
         """Names, shapes and dtypes of the params and buffers; never reads pause state."""
         return TensorSet.of(self.tensors().items())
+
+    @property
+    def structure_version(self) -> int:
+        """Changes whenever ``tensor_set()`` could: torch's module registrations in this process.
+
+        The lifecycle walks the tensor set again only when it changes (see
+        ``drivers/structure.py`` for what it cannot see, and the re-walk that covers it).
+        """
+        return registrations()
 
     def collectives(self, step: Step) -> tuple[Collective, ...]:
         """The param sync's all-gathers: one per bucket, from the bucket layout alone."""

@@ -261,6 +261,14 @@ class ReferenceTrainer:
         # Metadata only: the plan must not depend on this rank's pause state (the seed's hang).
         return TensorSet.of(self._weight_views().items())
 
+    @property
+    def structure_version(self) -> int:
+        """Changes whenever ``tensor_set()`` would: never, here, as the layout is the config's.
+
+        A subclass that changes its tensor set (the demo's ``diverge``) defines its own.
+        """
+        return 0
+
     def collectives(self, step: Step) -> tuple[Collective, ...]:
         if step.kind is StepKind.PARAM_SYNC and self.world > 1:
             return (Collective("all_gather", "dp", "bfloat16", self.padded_numel),)

@@ -69,11 +69,13 @@ _EXPORTS = {
     "StepReport": "miles_fsm.states.protocols",
     "StepResult": "miles_fsm.machine",
     "Strategy": "miles_fsm.states",
+    "StructureVersionError": "miles_fsm.states.errors",
     "TensorSet": "miles_fsm.plan",
     "TensorSetChangedError": "miles_fsm.states.errors",
     "UnsupportedVersionError": "miles_fsm.drivers.errors",
     "TensorSpec": "miles_fsm.plan",
     "TrainerDriver": "miles_fsm.states.protocols",
+    "VersionedTrainer": "miles_fsm.states.protocols",
     "Transition": "miles_fsm.definition",
     "TransitionCancelled": "miles_fsm.errors",
     "TransitionNotAllowed": "miles_fsm.errors",
@@ -179,6 +181,7 @@ if TYPE_CHECKING:
         DriverProtocolError,
         MemoryTagError,
         RecoveryError,
+        StructureVersionError,
         TensorSetChangedError,
         VerificationError,
         WeightVersionError,
@@ -194,6 +197,7 @@ if TYPE_CHECKING:
         EngineDriver,
         StepReport,
         TrainerDriver,
+        VersionedTrainer,
     )
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

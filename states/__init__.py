@@ -37,6 +37,7 @@ _LAZY = {
     "Snapshot": "miles_fsm.states.lifecycle",
     "StepReport": "miles_fsm.states.protocols",
     "TrainerDriver": "miles_fsm.states.protocols",
+    "VersionedTrainer": "miles_fsm.states.protocols",
 }
 
 __all__ = sorted([*_definition.__all__, *_LAZY])
@@ -45,6 +46,6 @@ if TYPE_CHECKING:
     from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow
     from miles_fsm.states.lifecycle import Lifecycle, Snapshot
     from miles_fsm.states.memory import MemoryLedger
-    from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver
+    from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver, VersionedTrainer
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -10,7 +10,15 @@ from collections.abc import Sequence
 
 from miles_fsm.errors import MilesFsmError, list_names
 
-__all__ = ["DriverProtocolError", "MemoryTagError", "RecoveryError", "TensorSetChangedError", "VerificationError", "WeightVersionError"]
+__all__ = [
+    "DriverProtocolError",
+    "MemoryTagError",
+    "RecoveryError",
+    "StructureVersionError",
+    "TensorSetChangedError",
+    "VerificationError",
+    "WeightVersionError",
+]
 
 
 class VerificationError(MilesFsmError, RuntimeError):
@@ -82,6 +90,28 @@ class RecoveryError(MilesFsmError, RuntimeError):
         self.target = target
         self.reason = reason
         super().__init__(f"cannot recover to {target}: {reason}")
+
+
+class StructureVersionError(MilesFsmError, RuntimeError):
+    """A trainer's ``structure_version`` stayed the same while its ``tensor_set()`` changed.
+
+    The lifecycle plans from the tensor set cached for a version; a version
+    that does not move with the set would let the guard compare a stale plan,
+    which can hide a per-rank change (the seed's hang). Found on a verified
+    cycle, where the set is walked again and compared.
+    """
+
+    def __init__(self, *, driver: str, version: str, added: Sequence[str], removed: Sequence[str]) -> None:
+        self.driver = driver
+        self.version = version
+        self.added = tuple(added)
+        self.removed = tuple(removed)
+        super().__init__(
+            f"the trainer driver {driver} still reports structure_version {version}, but its tensor_set() "
+            f"changed: added [{list_names(self.added)}], removed [{list_names(self.removed)}]. Change the "
+            "version in every mutation that changes the tensor set (or drop structure_version, and the "
+            "set is walked on every guarded transition); the transition did not start."
+        )
 
 
 class DriverProtocolError(MilesFsmError, TypeError):

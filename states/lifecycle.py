@@ -30,6 +30,7 @@ from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, Tra
 from miles_fsm.plan import Intent
 from miles_fsm.schema import RECOVERED, TRACE_OPENED
 from miles_fsm.states.actions import Actions
+from miles_fsm.states.planning import TensorSetCache
 from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
 from miles_fsm.tracing import NullTracer, Tracer, TraceSink
@@ -93,6 +94,8 @@ class Lifecycle:
             check_driver(engine, EngineDriver, "engine")
         self._config = config or LifecycleConfig()
         self._trainer = trainer
+        self._tensor_sets = TensorSetCache(trainer)
+        self._intents: dict[str, Intent] = {}
         self._engine = engine
         self._guard = guard or Guard.from_group(
             group, timeout_s=self._config.guard.longest_s, store=store, name=self._config.name
@@ -284,15 +287,18 @@ class Lifecycle:
         return self._engine is not None or (step.side is Side.TRAINER and step.kind is not StepKind.PUSH_WEIGHTS)
 
     def _intent(self, trigger: str, source: str, dest: str, epoch: int, collectives: tuple[Collective, ...]) -> Intent:
-        return Intent(
-            epoch=epoch,
-            trigger=trigger,
-            source=source,
-            dest=dest,
-            strategy=self._trainer.strategy.value,
-            collectives=collectives,
-            tensors=self._trainer.tensor_set(),
-        )
+        # Walked once per structure version (states/planning.py), and again on every verified cycle
+        # (epoch 0, before the first offload, is no cycle: its first walk is the start's).
+        tensors = self._tensor_sets.get(check=epoch > 0 and self._actions.verifies(epoch))
+        last = self._intents.get(trigger)
+        # A train step guarded every iteration asks for the same intent again: reuse it, hashed once.
+        if (last is not None and last.tensors is tensors and last.epoch == epoch and last.source == source
+                and last.dest == dest and last.collectives == collectives):  # fmt: skip
+            return last
+        intent = Intent(epoch=epoch, trigger=trigger, source=source, dest=dest,
+                        strategy=self._trainer.strategy.value, collectives=collectives, tensors=tensors)  # fmt: skip
+        self._intents[trigger] = intent
+        return intent
 
     def _collectives(self, step: Step) -> tuple[Any, ...]:
         if step.side is Side.ENGINE or step.kind is StepKind.PUSH_WEIGHTS:

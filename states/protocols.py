@@ -18,7 +18,7 @@ from miles_fsm.states import Step, Strategy
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineDriver", "StepReport", "TrainerDriver", "check_driver"]
+__all__ = ["EngineDriver", "StepReport", "TrainerDriver", "VersionedTrainer", "check_driver"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +88,31 @@ class TrainerDriver(Protocol):
 
     def memory_in_use(self) -> int | None:
         """Device (or host, on CPU) bytes this trainer holds now, or None if unknown."""
+        ...
+
+
+@runtime_checkable
+class VersionedTrainer(Protocol):
+    """The optional member of a trainer driver that makes planning cheap at many tensors.
+
+    Without it the lifecycle walks ``tensor_set()`` on every guarded
+    transition (correct; milliseconds at thousands of tensors). With it the
+    set is walked once per version, and again on every verified cycle to
+    check the version (``StructureVersionError`` if the set moved and the
+    version did not). Not part of ``TrainerDriver``: ``check_driver`` does
+    not require it.
+    """
+
+    @property
+    def structure_version(self) -> object:
+        """A cheap value, compared with ``==``, that changes whenever ``tensor_set()`` would.
+
+        Read on every guarded transition, so it must cost no walk. Cover
+        every per-rank change (a param frozen on one rank only is exactly the
+        change the guard exists to see). Return None where it cannot say: the
+        set is then walked. A subclass that overrides ``tensor_set`` must
+        override this too, or its inherited version is not trusted.
+        """
         ...
 
 

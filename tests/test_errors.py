@@ -36,6 +36,7 @@ SAMPLES = [
     state_errors.TensorSetChangedError(epoch=1, added=["x"], removed=["y"]),
     state_errors.MemoryTagError(side="trainer", tag="default", op="pause", paused=["default"]),
     state_errors.WeightVersionError(engine="e0", expected="2", actual="1"),
+    state_errors.StructureVersionError(driver="MyTrainer", version="3", added=["w[2]:float32"], removed=["w[1]:float32"]),
     state_errors.DriverProtocolError(role="trainer", driver="MyTrainer", missing=["tensor_set"], protocol="TrainerDriver"),
     driver_errors.IneligibleModelError(["frozen.weight"], "not in a DDP buffer", ["unfreeze it"]),
     driver_errors.UnsupportedVersionError(package="megatron-core", found="0.19.2", supported="0.16.x",

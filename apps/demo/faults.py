@@ -52,6 +52,11 @@ def demo_trainer_cls() -> type:
             """Elements this rank wrongly leaves out of its buffer while ``diverge`` is armed."""
             return self.params[DIVERGE_PARAM].numel() if self.armed == "diverge" else 0
 
+        @property
+        def structure_version(self) -> tuple[int, str | None]:
+            # ``diverge`` changes the tensor set: the planning cache must see it move.
+            return (super().structure_version, self.armed)
+
         def tensor_set(self) -> TensorSet:
             tensors = super().tensor_set()
             if self.armed != "diverge":

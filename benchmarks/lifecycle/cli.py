@@ -15,11 +15,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from machine import describe_machine
+
 from .cpu import run_cpu
 from .demo import demo_overhead
 from .gpu import run_gpu
 from .limits import device_copy_GBps, gloo_latency, host_copy_GBps, pinned_limits, sha256_core_GBps, trace_event_us
-from .report import summarize, write_result
+from .report import progress, summarize, write_result
 
 __all__ = ["DESCRIPTION", "add_arguments", "main", "run", "run_bench"]
 
@@ -36,6 +38,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "device": "cuda" if cuda else "cpu",
         "machine": {
+            **describe_machine(),  # the anchors every benchmark JSON records
             "host": platform.node(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -46,6 +49,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "args": {k: v for k, v in vars(args).items() if k not in ("run", "out", "_parser")},
     }
+    progress("limits: SHA256 per core, trace event, gloo all-reduce and guard, host copy")
     limits: dict[str, Any] = {
         "sha256_core_GBps": sha256_core_GBps(),
         "trace_event_us": trace_event_us(),
@@ -53,22 +57,27 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "host_copy_GBps": host_copy_GBps(),
     }
     limits["sha256_all_cores_GBps"] = limits["sha256_core_GBps"] * min(16, os.cpu_count() or 1)
-    print(f"limits: sha256 {limits['sha256_core_GBps']:.2f} GB/s/core, trace {limits['trace_event_us']:.1f} us/event, "
-          f"gloo all-reduce {limits['gloo']['allreduce_us']:.0f} us, guard {limits['gloo']['guard_us']:.0f} us",
-          flush=True)
+    progress(f"limits: sha256 {limits['sha256_core_GBps']:.2f} GB/s/core, trace {limits['trace_event_us']:.1f} us/event, "
+             f"gloo all-reduce {limits['gloo']['allreduce_us']:.0f} us, guard {limits['gloo']['guard_us']:.0f} us")
     if cuda:
         limits["pinned"] = pinned_limits()
         limits["device_copy_GBps"] = device_copy_GBps()
-        print(f"pinned H2D {limits['pinned']['h2d_GBps']:.1f} GB/s, D2H {limits['pinned']['d2h_GBps']:.1f} GB/s, "
-              f"device copy {limits['device_copy_GBps']:.0f} GB/s", flush=True)
+        progress(f"pinned H2D {limits['pinned']['h2d_GBps']:.1f} GB/s, D2H {limits['pinned']['d2h_GBps']:.1f} GB/s, "
+                 f"device copy {limits['device_copy_GBps']:.0f} GB/s")
         result["limits"] = limits
         result["run"] = run_gpu(args, limits)
     else:
         limits["pinned"] = None  # no PCIe here: the host memcpy rate is the limit
         result["limits"] = limits
+        progress(f"CPU cycles: {', '.join(args.strategies)} x {args.cycles} cycles on 2 gloo ranks, then verification")
+        t0 = time.perf_counter()
         result["run"] = run_cpu(args, limits)
+        progress(f"CPU cycles done in {time.perf_counter() - t0:.0f} s")
         if not args.no_demo:
+            progress("demo: guard and trace overhead in the demo's ranks")
+            t0 = time.perf_counter()
             result["demo"] = demo_overhead(limits)
+            progress(f"demo done in {time.perf_counter() - t0:.0f} s")
     result["summary"] = summarize(result)
     return result
 

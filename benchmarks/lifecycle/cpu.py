@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .limits import host_copy_GBps
+from .report import progress
 from .transitions import CYCLE, OFFLOAD, WAKE, phase, trace_events, transition_row
 from .verify import verification_bench
 
@@ -29,6 +30,8 @@ def _cpu_rank(ctx: Any) -> dict[str, Any]:
     model = ModelConfig(**kw["model"])
     out: dict[str, Any] = {"strategies": {}}
     for strategy in kw["strategies"]:
+        if ctx.rank == 0:
+            progress(f"  {strategy}: {kw['cycles']} cycles ({kw['verified']} verified)")
         saver = CpuMemorySaver()
         trainer = ReferenceTrainer(config=TrainerConfig(model=model, strategy=Strategy(strategy)), saver=saver)
         trace_dir = Path(kw["trace_dir"]) / strategy
@@ -88,6 +91,7 @@ def _cpu_rank(ctx: Any) -> dict[str, Any]:
             "tensor_bytes": sum(t.numel() * t.element_size() for t in trainer.tensors().values()),
         }
         if ctx.rank == 0 and strategy == kw["strategies"][0]:
+            progress("  verification: pipelined, naive and threaded digests, a warm-up and 3 rounds each")
             tensors = {**trainer.tensors()}
             out["verification"] = verification_bench(tensors, threads=default_threads(), sync=lambda: None)
     return out

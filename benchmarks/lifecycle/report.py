@@ -39,6 +39,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     v = result["run"]["verification"]
     summary["verification"] = {k: v[k] for k in ("bytes", "pipelined_GBps", "naive_per_tensor_GBps",
                                                  "threaded_per_tensor_GBps", "speedup_vs_naive", "stable")}
+    if "speedup_vs_naive_per_round" in v:  # absent from results written before issue 18
+        summary["verification"]["speedup_vs_naive_per_round"] = v["speedup_vs_naive_per_round"]
     if "demo" in result:
         summary["demo_max_guard_trace_fraction"] = {
             label: {t: row["max_guard_trace_fraction"] for t, row in d["transitions"].items()}
@@ -47,9 +49,47 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def progress(message: str) -> None:
+    """One line per phase of the bench, as it starts or ends (stdout, flushed: ranks print too)."""
+    from rich.console import Console
+
+    Console(highlight=False, width=200).print(f"[bold cyan]bench[/] {message}")
+
+
+def summary_table(summary: dict[str, Any]) -> Any:
+    """The summary as a rich table: offload and wake per strategy, then the verification paths."""
+    from rich.table import Table
+
+    table = Table(title="miles-fsm bench: steady cycles (medians)")
+    for col in ("what", "seconds", "GB/s", "vs limit", "guard+trace, max fraction"):
+        table.add_column(col, justify="right")
+    for strategy, entry in summary.items():
+        if strategy in ("verification", "demo_max_guard_trace_fraction"):
+            continue
+        worst = max(entry["max_guard_trace_fraction"].values())
+        for phase in ("offload", "wake"):
+            e = entry[phase]
+            table.add_row(f"{strategy} {phase}", f"{e['median_s']:.3f}", _num(e["median_GBps"]), _num(e["vs_limit"]),
+                          f"{worst:.4f}")  # fmt: skip
+    v = summary["verification"]
+    ratio = v.get("speedup_vs_naive_per_round")
+    span = f" [{ratio['min']:.2f}..{ratio['max']:.2f}]" if ratio else ""
+    table.add_row("verify, pipelined", "", _num(v["pipelined_GBps"]), "", "")
+    table.add_row("verify, naive per tensor", "", _num(v["naive_per_tensor_GBps"]), "", "")
+    table.add_row("verify, pipelined / naive", f"{v['speedup_vs_naive']:.2f}x" + span.replace("[", "\\["), "",
+                  "", "")  # fmt: skip
+    return table
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def write_result(result: dict[str, Any], out: Path) -> None:
-    """The whole result to ``out``; the summary to stdout."""
+    """The whole result to ``out``; the summary, as a table, to stdout."""
+    from rich.console import Console
+
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
-    print(json.dumps(result["summary"], indent=2, default=str))
+    Console(width=120).print(summary_table(result["summary"]))
     print(f"wrote {out}", flush=True)

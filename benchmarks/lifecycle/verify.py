@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from machine import ratio_spread, spread
+
 
 def _naive_digests(tensors: Mapping[str, Any]) -> dict[str, str]:
     """The baseline: per tensor, ``.cpu()`` then one hashlib SHA256, one after another."""
@@ -28,8 +30,13 @@ def _threaded_per_tensor(tensors: Mapping[str, Any], threads: int) -> dict[str, 
         return dict(zip(tensors, pool.map(tensor_sha256, tensors.values())))
 
 
-def verification_bench(tensors: Mapping[str, Any], *, threads: int, sync: Any) -> dict[str, Any]:
-    """The three digest paths over the same tensors, timed in the same run."""
+def verification_bench(tensors: Mapping[str, Any], *, threads: int, sync: Any, rounds: int = 3) -> dict[str, Any]:
+    """The three digest paths over the same tensors, timed in the same run, each treated alike.
+
+    Every path gets one untimed warm-up run, then ``rounds`` timed runs; in
+    each round every path runs once, in an order that rotates from round to
+    round. A path's figure is its median; each ratio is per round.
+    """
     from miles_fsm.digest import DIGEST_SCHEME, digest_tensors, tensor_digest
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -38,33 +45,37 @@ def verification_bench(tensors: Mapping[str, Any], *, threads: int, sync: Any) -
     digest_tensors({first: tensors[first]}, threads=threads)  # staging ring, allocated once per process
     warm_s = time.perf_counter() - t0
     out: dict[str, Any] = {"scheme": DIGEST_SCHEME, "bytes": nbytes, "tensors": len(tensors), "threads": threads,
-                           "first_call_setup_s": warm_s}
-    runs = {}
-    for name, fn in (
-        ("pipelined", lambda: digest_tensors(tensors, threads=threads)),
-        ("naive_per_tensor", lambda: _naive_digests(tensors)),
-        ("threaded_per_tensor", lambda: _threaded_per_tensor(tensors, threads)),
-        ("pipelined_again", lambda: digest_tensors(tensors, threads=threads)),
-    ):
-        sync()
-        t0 = time.perf_counter()
-        result = fn()
-        sync()
-        runs[name] = (time.perf_counter() - t0, result)
-    best = min(runs["pipelined"][0], runs["pipelined_again"][0])
-    out["pipelined_s"] = best
-    out["naive_per_tensor_s"] = runs["naive_per_tensor"][0]
-    out["threaded_per_tensor_s"] = runs["threaded_per_tensor"][0]
-    out["pipelined_GBps"] = nbytes / best / 1e9
-    out["naive_per_tensor_GBps"] = nbytes / out["naive_per_tensor_s"] / 1e9
-    out["threaded_per_tensor_GBps"] = nbytes / out["threaded_per_tensor_s"] / 1e9
-    out["speedup_vs_naive"] = out["naive_per_tensor_s"] / best
-    out["speedup_vs_threaded"] = out["threaded_per_tensor_s"] / best
-    out["stable"] = runs["pipelined"][1] == runs["pipelined_again"][1]
+                           "first_call_setup_s": warm_s, "rounds": rounds}
+    paths = {
+        "pipelined": lambda: digest_tensors(tensors, threads=threads),
+        "naive_per_tensor": lambda: _naive_digests(tensors),
+        "threaded_per_tensor": lambda: _threaded_per_tensor(tensors, threads),
+    }
+    results = {name: fn() for name, fn in paths.items()}  # the warm-up, alike for every path
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    names = list(paths)
+    stable = True
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            sync()
+            t0 = time.perf_counter()
+            result = paths[name]()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+            stable = stable and result == results[name]
+    out["stable"] = stable
+    for name in paths:
+        out[f"{name}_s"] = spread(times[name])["median"]
+        out[f"{name}_GBps"] = nbytes / out[f"{name}_s"] / 1e9
+    out["per_round_s"] = {name: spread(ts) for name, ts in times.items()}
+    out["speedup_vs_naive_per_round"] = ratio_spread(times["naive_per_tensor"], times["pipelined"])
+    out["speedup_vs_threaded_per_round"] = ratio_spread(times["threaded_per_tensor"], times["pipelined"])
+    out["speedup_vs_naive"] = out["speedup_vs_naive_per_round"]["median"]
+    out["speedup_vs_threaded"] = out["speedup_vs_threaded_per_round"]["median"]
     # The pipelined (device) path must give the definition's digest, computed here on the host.
     largest = max(tensors, key=lambda n: tensors[n].numel() * tensors[n].element_size())
     sample = list(dict.fromkeys([*list(tensors)[:3], largest]))
     out["matches_host_definition"] = all(
-        tensor_digest(tensors[n].detach().cpu()) == runs["pipelined"][1][n] for n in sample
+        tensor_digest(tensors[n].detach().cpu()) == results["pipelined"][n] for n in sample
     )
     return out
