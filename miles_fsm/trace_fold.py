@@ -106,6 +106,10 @@ def fold(
     pending: str | None = None
     last_action_line = 0
     last_action = b""
+    # Every action line so far. They are only counted, so a copy of one would make up for a lost one
+    # and the count would still add up; no two records share a seq, so a line seen twice sends the
+    # file to the sorted reader, which drops the exact copy and then sees the gap.
+    seen_actions: set[bytes] = set()
     last_parsed_line = 0
     first_rec: dict[str, Any] | None = None
     last_raw = b""  # the last record's line, parsed once, at the end
@@ -145,6 +149,9 @@ def fold(
             lineno += 1
             # Action records are most of a trace; only the last one is ever needed.
             if complete and line.rfind(action) >= 0 and line[-1:] == b"}":
+                if line in seen_actions:
+                    return False
+                seen_actions.add(line)
                 last_action_line = lineno
                 last_action = line
                 continue
