@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,9 @@ from miles_fsm.guard import Guard
 from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
 from miles_fsm.plan import Intent
 from miles_fsm.schema import RECOVERED, TRACE_OPENED
+from miles_fsm import flight_recorder
 from miles_fsm.states.actions import Actions
+from miles_fsm.states.audit import PlanAudit
 from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
 from miles_fsm.tracing import NullTracer, Tracer, TraceSink
@@ -103,13 +106,14 @@ class Lifecycle:
                                 calls_engine=engine_leader is not False)  # fmt: skip
         table = self._actions.table
         shared = engine_leader is not None and self._guard.active
+        self._audit = self._make_audit()
         # Names and the step selection are fixed facts of the table and the
         # drivers: computed once here, not on every trigger.
         self._plans = {
             t.trigger: tuple(
-                PlannedStep(str(s), s, self._shared(table[s.kind], t.trigger) if shared and _engine_side(s) else
-                            table[s.kind])
-                for s in self._steps(t, strategy)
+                PlannedStep(str(s), s, self._audited(self._shared(table[s.kind], t.trigger) if shared and
+                            _engine_side(s) else table[s.kind], t.trigger, str(s), i == 0, i == len(steps) - 1))
+                for steps in [self._steps(t, strategy)] for i, s in enumerate(steps)
             )
             for t in DEFINITION.transitions
         }  # fmt: skip
@@ -121,6 +125,8 @@ class Lifecycle:
             tracer=tracer,
             probe=trainer.memory_in_use,
             timeout_for=self._config.guard.timeout_for,
+            on_failure=lambda failure: self.dump_flight_recorder(
+                trigger=failure.trigger.value, epoch=failure.epoch, step=failure.step, error=type(failure.error).__name__),
         )
 
     def _open_trace(self, strategy: Strategy, sink: TraceSink | None, extra: Mapping[str, Any]) -> TraceSink:
@@ -249,6 +255,36 @@ class Lifecycle:
                 return 0.0  # nothing here can hang: only a collective waits on the others
             intent = self._intent(step, state, state, self.epoch, tuple(collectives))
             return self._machine.agree(intent, {"epoch": self.epoch, "trigger": step, "state": state})
+
+    # ------------------------------------------------------------ plan audit
+
+    def _make_audit(self) -> PlanAudit | None:
+        if not (self._config.verify.audit and flight_recorder.enabled()):
+            return None  # the recorder is off: nothing to read, and no cost
+        # The guard's own collectives are not any step's: its group is skipped by name.
+        group = getattr(self._guard, "_group", None)
+        skip = [str(group.group_name)] if group is not None and hasattr(group, "group_name") else []
+        return PlanAudit(rank=self._guard.rank, active=self._config.verify.audits, skip_pgs=skip)
+
+    def _audited(self, action: Callable[[Step, int], Any], trigger: Trigger, name: str, first: bool,
+                 last: bool) -> Callable[[Step, int], Any]:  # fmt: skip
+        if self._audit is None:
+            return action
+        return self._audit.wrap(action, self._collectives, trigger=trigger.value, name=name, first=first, last=last)
+
+    def dump_flight_recorder(self, **meta: Any) -> Path | None:
+        """Write this rank's Flight Recorder beside its trace (``fr-rank-<r>.json``), for replay.
+
+        None when the recorder is off or nothing is traced to a directory.
+        The lifecycle calls it on every failed transition; call it yourself
+        on a failure outside one (a train step's collective timing out).
+        """
+        if self._config.trace_dir is None or not flight_recorder.enabled():
+            return None
+        trace_dir = self._config.trace_dir / self._config.name if self._config.name else self._config.trace_dir
+        group = getattr(self._guard, "_group", None)
+        guard_pg = str(group.group_name) if group is not None and hasattr(group, "group_name") else None
+        return flight_recorder.dump(trace_dir, self.rank, guard_pg=guard_pg, **meta)
 
     # --------------------------------------------------------------- planning
 
