@@ -91,7 +91,12 @@ def replay(
 
 def with_flight_recorder(d: Diagnosis, report: FrReport | None) -> Diagnosis:
     """``d`` with what the Flight Recorder dumps say (a mismatch of collectives is a problem: exit 3)."""
-    return d if report is None else dataclasses.replace(d, flight_recorder=report.to_json())
+    if report is None:
+        return d
+    rogue = sorted(r.rank for r in report.ranks if r.declared is False)
+    notes = [*d.notes, f"the Flight Recorder shows {plural_ranks(rogue)} inside a collective its step's plan did not "
+             "declare: the likely cause of the hang"] if rogue else d.notes  # fmt: skip
+    return dataclasses.replace(d, flight_recorder=report.to_json(), notes=notes)
 
 
 # ----------------------------------------------------------------------- CLI

@@ -3,6 +3,9 @@
 Dumps are made in the test by real gloo ranks with the recorder on (no
 committed generated files); the demo cases run ``miles-fsm demo`` in-process
 on 3 ranks with a short guard timeout, as tests/test_demo_faults.py does.
+The demo turns the recorder on in every rank, so the megatron CPU driver is
+audited every cycle by tests/test_demo_launchers.py's megatron demo (both
+strategies): it passing is this audit's no-false-positive case for megatron.
 """
 
 from __future__ import annotations
@@ -171,3 +174,4 @@ def test_replay_refuses_an_unreadable_flight_recorder_folder(tmp_path, capfd):
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines() == [f"miles-fsm replay: cannot read the Flight Recorder dump {tmp_path / 'nowhere'}: "
                                         "not a directory. Pass the folder of fr-rank-<r>.json files the run wrote."]
+
