@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_fsm import flight_recorder as fr
 from miles_fsm.states.errors import UndeclaredCollectiveError
 
 if TYPE_CHECKING:
+    from miles_fsm.config import VerifyConfig
+    from miles_fsm.guard import Guard
     from miles_fsm.plan import Collective
 
-__all__ = ["PlanAudit", "undeclared"]
+__all__ = ["PlanAudit", "dump_beside_trace", "make_audit", "undeclared"]
 
 #: What a declared op may show up as in the recorder: gloo runs reduce_scatter as an all_reduce.
 _ALIASES = {
@@ -104,3 +107,25 @@ class PlanAudit:
         if extra:
             raise UndeclaredCollectiveError(rank=self._rank, epoch=epoch, trigger=trigger, step=step,
                                             collective=str(extra[0]), declared=[str(c) for c in declared])  # fmt: skip
+
+
+def guard_pg(guard: Guard) -> str | None:
+    """The name of the guard's own process group, as the recorder names it (None: no group)."""
+    # The guard keeps its group private; its collectives are no step's, so the audit must know it.
+    group = getattr(guard, "_group", None)
+    return str(group.group_name) if group is not None and hasattr(group, "group_name") else None
+
+
+def make_audit(verify: VerifyConfig, guard: Guard) -> PlanAudit | None:
+    """The audit a lifecycle runs, or None when it is off or the recorder is (nothing to read, no cost)."""
+    if not (verify.audit and fr.enabled()):
+        return None
+    pg = guard_pg(guard)
+    return PlanAudit(rank=guard.rank, active=verify.audits, skip_pgs=[pg] if pg else [])
+
+
+def dump_beside_trace(trace_dir: Path | None, guard: Guard, **meta: Any) -> Path | None:
+    """This rank's recorder as ``trace_dir/fr-rank-<r>.json``, with the guard's group named for replay."""
+    if trace_dir is None or not fr.enabled():
+        return None
+    return fr.dump(trace_dir, guard.rank, guard_pg=guard_pg(guard), **meta)

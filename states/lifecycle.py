@@ -30,9 +30,8 @@ from miles_fsm.guard import Guard
 from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
 from miles_fsm.plan import Intent
 from miles_fsm.schema import RECOVERED, TRACE_OPENED
-from miles_fsm import flight_recorder
 from miles_fsm.states.actions import Actions
-from miles_fsm.states.audit import PlanAudit
+from miles_fsm.states.audit import dump_beside_trace, make_audit
 from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
 from miles_fsm.tracing import NullTracer, Tracer, TraceSink
@@ -106,7 +105,7 @@ class Lifecycle:
                                 calls_engine=engine_leader is not False)  # fmt: skip
         table = self._actions.table
         shared = engine_leader is not None and self._guard.active
-        self._audit = self._make_audit()
+        self._audit = make_audit(self._config.verify, self._guard)
         # Names and the step selection are fixed facts of the table and the
         # drivers: computed once here, not on every trigger.
         self._plans = {
@@ -145,9 +144,13 @@ class Lifecycle:
             return sink
         if self._config.trace_dir is None:
             return NullTracer()
+        return Tracer(self._trace_dir, rank=self._guard.rank, world=self._guard.world, run=run_id, **meta)
+
+    @property
+    def _trace_dir(self) -> Path | None:
         # Several lifecycles of one job (actor, ref, critic) trace into folders of their own.
-        trace_dir = self._config.trace_dir / self._config.name if self._config.name else self._config.trace_dir
-        return Tracer(trace_dir, rank=self._guard.rank, world=self._guard.world, run=run_id, **meta)
+        d = self._config.trace_dir
+        return d / self._config.name if d is not None and self._config.name else d
 
     # ------------------------------------------------------------------ facts
 
@@ -258,14 +261,6 @@ class Lifecycle:
 
     # ------------------------------------------------------------ plan audit
 
-    def _make_audit(self) -> PlanAudit | None:
-        if not (self._config.verify.audit and flight_recorder.enabled()):
-            return None  # the recorder is off: nothing to read, and no cost
-        # The guard's own collectives are not any step's: its group is skipped by name.
-        group = getattr(self._guard, "_group", None)
-        skip = [str(group.group_name)] if group is not None and hasattr(group, "group_name") else []
-        return PlanAudit(rank=self._guard.rank, active=self._config.verify.audits, skip_pgs=skip)
-
     def _audited(self, action: Callable[[Step, int], Any], trigger: Trigger, name: str, first: bool,
                  last: bool) -> Callable[[Step, int], Any]:  # fmt: skip
         if self._audit is None:
@@ -276,15 +271,10 @@ class Lifecycle:
         """Write this rank's Flight Recorder beside its trace (``fr-rank-<r>.json``), for replay.
 
         None when the recorder is off or nothing is traced to a directory.
-        The lifecycle calls it on every failed transition; call it yourself
-        on a failure outside one (a train step's collective timing out).
+        Every failed transition calls it; call it on a failure outside one
+        (a train step's collective timing out).
         """
-        if self._config.trace_dir is None or not flight_recorder.enabled():
-            return None
-        trace_dir = self._config.trace_dir / self._config.name if self._config.name else self._config.trace_dir
-        group = getattr(self._guard, "_group", None)
-        guard_pg = str(group.group_name) if group is not None and hasattr(group, "group_name") else None
-        return flight_recorder.dump(trace_dir, self.rank, guard_pg=guard_pg, **meta)
+        return dump_beside_trace(self._trace_dir, self._guard, **meta)
 
     # --------------------------------------------------------------- planning
 

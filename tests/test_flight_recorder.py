@@ -107,6 +107,18 @@ def test_audit_matches_declared_collectives_by_op_and_size():
                                      "collective": str(issued[2]), "declared": tuple(map(str, declared))}  # fmt: skip
 
 
+def test_audit_runs_on_verified_cycles_and_always_under_ci(monkeypatch):
+    """VerifyConfig.audits: verified cycles only, every cycle with CI=true, never with audit=False."""
+    from miles_fsm.config import VerifyConfig
+
+    monkeypatch.delenv("CI", raising=False)
+    config = VerifyConfig(cycles=2)
+    assert [config.audits(e) for e in (1, 2, 3)] == [True, True, False]
+    monkeypatch.setenv("CI", "true")
+    assert VerifyConfig(cycles=2, ci_verifies_every_cycle=False).audits(3) is True
+    assert VerifyConfig(cycles=None, audit=False).audits(1) is False
+
+
 def _records(trace_dir: Path, rank: int) -> list[dict]:
     return [orjson.loads(line) for line in (trace_dir / f"rank-{rank}.jsonl").read_bytes().splitlines() if line]
 
