@@ -115,8 +115,8 @@ def main() -> int:
     }
     r = result["ratio_audited_to_unaudited"]
     out.print(f"cycle: audited {result['cycle_audited_ms']['median']:.1f} ms, unaudited "
-              f"{result['cycle_unaudited_ms']['median']:.1f} ms, ratio {r['median']:.3f} "
-              f"[{r['min']:.3f}, {r['max']:.3f}]; one recorder read {result['fr_read_ms']['median']:.2f} ms")  # fmt: skip
+              f"{result['cycle_unaudited_ms']['median']:.1f} ms, ratio {r['median']:.3f} [{r['min']:.3f}, "
+              f"{r['max']:.3f}]; one recorder read {result['fr_read_ms']['median']:.2f} ms")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     out.print(f"wrote {args.out}")

@@ -121,7 +121,11 @@ def align(traces: Mapping[int, Path], dumps: Mapping[int, fr.RankDump], *, run: 
     """Each dumped rank's last collective outside the guard's group, placed in its trace."""
     placed, problems = [], []
     for rank, dump in sorted(dumps.items()):
-        guard_pg = fr.dump_meta(dump.path).get("guard_pg")
+        meta = fr.dump_meta(dump.path)
+        if run is not None and meta.get("run") not in (None, run):
+            problems.append(f"rank {rank}: {dump.path} is of run {meta['run']}, not {run}: left out")
+            continue
+        guard_pg = meta.get("guard_pg")
         last = dump.last(skip_pgs=[guard_pg] if guard_pg else [])
         if last is None:
             problems.append(f"rank {rank}: its dump holds no collective outside the guard's group")
@@ -133,7 +137,7 @@ def align(traces: Mapping[int, Path], dumps: Mapping[int, fr.RankDump], *, run: 
             ops |= _REDUCE_SCATTER_AS  # gloo records a reduce-scatter as an all-reduce
         declared = None if ops is None else last.op in ops
         placed.append(RankCollective(rank, last, where, epoch, declared))
-    missing = tuple(sorted(set(traces) - set(dumps)))
+    missing = tuple(sorted(set(traces) - {r.rank for r in placed}))
     return FrReport(tuple(placed), missing, tuple(problems))
 
 

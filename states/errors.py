@@ -10,7 +10,15 @@ from collections.abc import Sequence
 
 from miles_fsm.errors import MilesFsmError, list_names
 
-__all__ = ["DriverProtocolError", "UndeclaredCollectiveError", "MemoryTagError", "RecoveryError", "TensorSetChangedError", "VerificationError", "WeightVersionError"]
+__all__ = [
+    "DriverProtocolError",
+    "MemoryTagError",
+    "RecoveryError",
+    "TensorSetChangedError",
+    "UndeclaredCollectiveError",
+    "VerificationError",
+    "WeightVersionError",
+]
 
 
 class VerificationError(MilesFsmError, RuntimeError):

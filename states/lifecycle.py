@@ -124,13 +124,14 @@ class Lifecycle:
             tracer=tracer,
             probe=trainer.memory_in_use,
             timeout_for=self._config.guard.timeout_for,
-            on_failure=lambda failure: self.dump_flight_recorder(
-                trigger=failure.trigger.value, epoch=failure.epoch, step=failure.step, error=type(failure.error).__name__),
+            on_failure=lambda f: self.dump_flight_recorder(trigger=f.trigger.value, epoch=f.epoch, step=f.step,
+                                                           error=type(f.error).__name__),
         )
 
     def _open_trace(self, strategy: Strategy, sink: TraceSink | None, extra: Mapping[str, Any]) -> TraceSink:
         # Shared by every rank, traced or not: sharing it is collective.
         run_id = self._guard.share_run_id(self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or None)
+        self._run_id = run_id  # FR dumps carry it: replay leaves out other runs' dumps
         meta = {
             "strategy": strategy.value,
             "guard_timeout_s": self._guard.timeout_s,
@@ -274,7 +275,7 @@ class Lifecycle:
         Every failed transition calls it; call it on a failure outside one
         (a train step's collective timing out).
         """
-        return dump_beside_trace(self._trace_dir, self._guard, **meta)
+        return dump_beside_trace(self._trace_dir, self._guard, run=self._run_id, **meta)
 
     # --------------------------------------------------------------- planning
 

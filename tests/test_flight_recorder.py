@@ -90,11 +90,13 @@ def test_corrupt_or_missing_dumps_are_one_clear_error(tmp_path):
 
 def _entry(op: str, numel: int, *, out: int | None = None, pg: str = "0", seq: int = 1) -> fr.FrEntry:
     return fr.parse({"record_id": seq, "collective_seq_id": seq, "profiling_name": f"gloo:{op}",
-                     "input_sizes": [[numel]], "output_sizes": [[out or numel]], "process_group": [pg, "default_pg"]})  # fmt: skip
+                     "input_sizes": [[numel]], "output_sizes": [[out or numel]],
+                     "process_group": [pg, "default_pg"]})
 
 
 def test_audit_matches_declared_collectives_by_op_and_size():
-    """Declared collectives account for one issued entry each (gloo's reduce-scatter is an all-reduce); the rest are undeclared."""
+    """Declared collectives account for one issued entry each (gloo's reduce-scatter is an all-reduce);
+    the rest are undeclared."""
     declared = [Collective("all_gather", "dp", "bfloat16", 8), Collective("reduce_scatter", "dp", "float32", 8)]
     issued = [_entry("all_gather", 4, out=8), _entry("all_reduce", 8, seq=2), _entry("all_reduce", 1, seq=3)]
     assert [e.seq for e in undeclared(issued, declared)] == [3]
@@ -184,6 +186,7 @@ def test_replay_refuses_an_unreadable_flight_recorder_folder(tmp_path, capfd):
     code = main(["replay", str(tmp_path), "--flight-recorder", str(tmp_path / "nowhere")])
     _, err = capfd.readouterr()
     assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines() == [f"miles-fsm replay: cannot read the Flight Recorder dump {tmp_path / 'nowhere'}: "
-                                        "not a directory. Pass the folder of fr-rank-<r>.json files the run wrote."]
+    nowhere = tmp_path / "nowhere"
+    assert err.strip().splitlines() == [f"miles-fsm replay: cannot read the Flight Recorder dump {nowhere}: not a "
+                                        "directory. Pass the folder of fr-rank-<r>.json files the run wrote."]
 
