@@ -31,6 +31,7 @@ _EXPORTS = {
     "EngineUpdateError": "miles_fsm.drivers.errors",
     "Failure": "miles_fsm.machine",
     "FaultLocatedError": "miles_fsm.apps.errors",
+    "FlightRecorderError": "miles_fsm.flight_recorder",
     "Guard": "miles_fsm.guard",
     "GuardConfig": "miles_fsm.config",
     "GuardError": "miles_fsm.errors",
@@ -72,6 +73,7 @@ _EXPORTS = {
     "StructureVersionError": "miles_fsm.states.errors",
     "TensorSet": "miles_fsm.plan",
     "TensorSetChangedError": "miles_fsm.states.errors",
+    "UndeclaredCollectiveError": "miles_fsm.states.errors",
     "UnsupportedVersionError": "miles_fsm.drivers.errors",
     "TensorSpec": "miles_fsm.plan",
     "TrainerDriver": "miles_fsm.states.protocols",
@@ -148,6 +150,7 @@ if TYPE_CHECKING:
     from miles_fsm.launch import (  # noqa: F401
         LauncherLostError,
     )
+    from miles_fsm.flight_recorder import FlightRecorderError  # noqa: F401
     from miles_fsm.machine import (  # noqa: F401
         Failure,
         InFlight,
@@ -182,6 +185,7 @@ if TYPE_CHECKING:
         MemoryTagError,
         RecoveryError,
         StructureVersionError,
+        UndeclaredCollectiveError,
         TensorSetChangedError,
         VerificationError,
         WeightVersionError,

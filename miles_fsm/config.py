@@ -68,11 +68,18 @@ class VerifyConfig:
     every cycle. ``CI=true`` in the environment also means every cycle,
     unless ``ci_verifies_every_cycle`` is False (a benchmark that must time
     unverified cycles).
+
+    ``audit``: on verified cycles, compare the collectives each step really
+    issued (read from PyTorch's Flight Recorder, which must be on:
+    ``TORCH_FR_BUFFER_SIZE`` set before the process group is made) with the
+    ones its plan declared; an undeclared one raises
+    ``UndeclaredCollectiveError`` before the next transition.
     """
 
     cycles: int | None = 2
     threads: int | None = None
     ci_verifies_every_cycle: bool = True
+    audit: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,6 +93,10 @@ class VerifyConfig:
     def active(self, epoch: int) -> bool:
         """Whether cycle ``epoch`` (1-based) is verified."""
         return self.cycles is None or epoch <= self.cycles or (self.ci_verifies_every_cycle and ci_mode())
+
+    def audits(self, epoch: int) -> bool:
+        """Whether cycle ``epoch``'s steps are audited against their plans (always under CI)."""
+        return self.audit and (self.active(epoch) or ci_mode())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

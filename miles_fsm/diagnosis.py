@@ -55,10 +55,12 @@ class Diagnosis:
     stragglers: list[dict[str, Any]]
     trace_problems: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    #: What the Flight Recorder dumps say (``FrReport.to_json()``); None: no dumps were read.
+    flight_recorder: dict[str, Any] | None = None
 
     @property
     def healthy(self) -> bool:
-        return self.verdict == Verdict.OK
+        return self.verdict == Verdict.OK and not (self.flight_recorder or {}).get("mismatch")
 
     @property
     def exit_code(self) -> int:
@@ -82,6 +84,7 @@ class Diagnosis:
             "stragglers": self.stragglers,
             "trace_problems": self.trace_problems,
             "notes": self.notes,
+            "flight_recorder": self.flight_recorder,
         }
 
 

@@ -193,8 +193,11 @@ def _child(
     lifeline: Any,
     launcher_pid: int,
     mp_tmp: str | None,
+    env: Mapping[str, str] | None = None,
 ) -> None:
     _set_parent_death_signal()
+    # Before the process group exists: torch reads some settings (the Flight Recorder's) only then.
+    os.environ.update(env or {})
     ctx = RankContext(rank=rank, world=world, kwargs=kwargs)
     # First, before anything that could block on the launcher (the store lives there).
     threading.Thread(
@@ -270,6 +273,7 @@ def run_ranks(
     pg_timeout_s: float | None = None,
     on_result: Callable[[RankOutcome], None] | None = None,
     linger_s: float | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> list[RankOutcome]:
     """Run ``fn`` on ranks ``0..world-1`` and return one outcome per rank.
 
@@ -280,6 +284,8 @@ def run_ranks(
     ``linger_s``: once a rank has failed, the others get this long to finish
     (and report their own errors) before they are killed; a rank hung in a
     collective would otherwise hold the run until ``timeout_s``.
+    ``env``: variables set in each rank before its process group is made
+    (e.g. ``TORCH_FR_BUFFER_SIZE``, which torch reads only then).
 
     SIGTERM or SIGHUP while it runs kill every rank, then raise
     ``LaunchInterrupted`` (a ``KeyboardInterrupt``). If this process dies
@@ -296,7 +302,7 @@ def run_ranks(
         ctx.Process(
             target=_child,
             args=(fn, r, world, store.port, dict(kwargs or {}), results, pg_timeout_s or timeout_s, lifeline,
-                  os.getpid(), util.get_temp_dir()),
+                  os.getpid(), util.get_temp_dir(), dict(env or {})),
             name=f"miles-fsm-rank-{r}",
             daemon=True,
         )

@@ -157,7 +157,8 @@ class Machine(Generic[S, T]):
     ``planner(arrow, epoch)`` returns the ``Plan``; ``next_epoch(trigger,
     epoch)`` is the epoch rule; ``probe()`` measures memory at each step
     boundary (None: unknown); ``timeout_for(trigger)`` is a trigger's guard
-    timeout (None: the guard's own). Every entry point takes ``lock``, which the
+    timeout (None: the guard's own); ``on_failure(failure)`` runs once a rank
+is failed (the owner dumps its evidence). Every entry point takes ``lock``, which the
     owner shares for work of its own that must not interleave with a
     transition.
     """
@@ -172,6 +173,7 @@ class Machine(Generic[S, T]):
         tracer: TraceSink,
         probe: Callable[[], int | None] = lambda: None,
         timeout_for: Callable[[str], float | None] = lambda trigger: None,
+        on_failure: Callable[[Failure], None] | None = None,
     ) -> None:
         self.definition = definition
         self.guard = guard
@@ -181,6 +183,7 @@ class Machine(Generic[S, T]):
         self._next_epoch = next_epoch
         self._probe = probe
         self._timeout_for = timeout_for
+        self._on_failure = on_failure
         self._epoch = 0
         self._failure: Failure | None = None
         self._in_flight: InFlight | None = None
@@ -354,6 +357,8 @@ class Machine(Generic[S, T]):
             self.guard.publish_failure(epoch, trigger.value, source, f"failed in {step or 'guard'} of")
         except RuntimeError as store_exc:  # the store's host may be gone; the trace still has it
             self.tracer.emit(STORE_UNREACHABLE, state=failed, **describe(store_exc), **base)
+        if self._on_failure is not None:  # after the peers were told: a slow dump must not delay them
+            self._on_failure(self._failure)
 
     def leave_failed(self, target: S) -> Failure | None:
         """Set the state to ``target`` out of the failed state; returns the failure left behind.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ def check_output(out: str | os.PathLike[str], inputs: Iterable[Path]) -> None:
 
 STATE_TID = 1
 TRANSITION_TID = 2
+COLLECTIVE_TID = 3
 
 
 class _Track:
@@ -130,12 +131,19 @@ def export_perfetto(
     out: str | os.PathLike[str],
     *,
     epochs: EpochRange | None = None,
+    collectives: Sequence[Mapping[str, Any]] = (),
 ) -> int:
-    """Write a Chrome/Perfetto JSON trace of the given ranks; returns the number of events."""
+    """Write a Chrome/Perfetto JSON trace of the given ranks; returns the number of events.
+
+    ``collectives``: each rank's in-flight collective from its Flight Recorder
+    dump (``FrReport.to_json()["ranks"]``), drawn on a track of its own from
+    its creation to the end of the timeline.
+    """
     walls = [t.first_wall for t in traces if t.first_wall is not None]
     base = min(walls) if walls else 0.0
     guards: dict[tuple[Any, ...], list[tuple[float, int]]] = defaultdict(list)
     count = 0
+    end_ts = 0.0
     try:
         f = open(out, "wb")  # noqa: SIM115 - closed below, with its OSError reported as bad output
     except OSError as exc:
@@ -145,7 +153,8 @@ def export_perfetto(
         first = True
 
         def emit(ev: dict[str, Any]) -> None:
-            nonlocal first, count
+            nonlocal first, count, end_ts
+            end_ts = max(end_ts, ev.get("ts", 0.0))
             if not first:
                 f.write(b",\n")
             try:
@@ -170,10 +179,23 @@ def export_perfetto(
                 if ph != "s":
                     ev["bp"] = "e"
                 emit(ev)
+        for c in collectives:
+            _export_collective(c, base, end_ts, emit)
         f.write(b"\n],")
         f.write(b'"otherData":' + orjson.dumps({"generator": "miles-fsm replay", "ranks": [t.rank for t in traces]}))
         f.write(b"}\n")
     return count
+
+
+def _export_collective(c: Mapping[str, Any], base: float, end_ts: float, emit: Any) -> None:
+    """One rank's in-flight collective, from its creation (wall clock, as the recorder keeps it) on."""
+    ts = (c["time_ns"] / 1e9 - base) * 1e6
+    pid = c["rank"]
+    emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": COLLECTIVE_TID,
+          "args": {"name": "in-flight collective (flight recorder)"}})  # fmt: skip
+    emit({"name": f"{c['op']} #{c['collective_seq_id']} ({c['process_group']})", "cat": "collective", "ph": "X",
+          "ts": ts, "dur": max(end_ts - ts, 1.0), "pid": pid, "tid": COLLECTIVE_TID,
+          "args": {k: c.get(k) for k in ("where", "epoch", "declared", "input_sizes", "output_sizes")}})  # fmt: skip
 
 
 def _export_rank(

@@ -11,6 +11,8 @@ Exit codes: 0 healthy, 3 a problem diagnosed, 2 bad input.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -21,6 +23,8 @@ import orjson
 from miles_fsm.diagnosis import Diagnosis, diagnose, rank_ranges
 from miles_fsm.errors import list_names
 from miles_fsm.evidence import first_line
+from miles_fsm.flight_recorder import FlightRecorderError
+from miles_fsm.fr_align import FrReport, explain
 from miles_fsm.perfetto import OutputPathError, check_output
 from miles_fsm.ranks import plural_ranks
 from miles_fsm.trace_checks import MAX_RANKS
@@ -47,12 +51,19 @@ def replay(
     straggler_ratio: float = 1.5,
     perfetto: str | None = None,
     run: str | None = None,
+    flight_recorder: str | None = None,
 ) -> Diagnosis:
     """Read and diagnose a trace directory (of one run: ``run``, when it holds several).
 
-    Raises ``TraceDirError`` (``MixedRunsError`` among them) or ``OutputPathError`` on bad input.
+    ``flight_recorder``: a folder of ``fr-rank-<r>.json`` dumps (None: those
+    beside the traces, if any); what they say is ``Diagnosis.flight_recorder``.
+
+    Raises ``TraceDirError`` (``MixedRunsError`` among them), ``OutputPathError``
+    or ``FlightRecorderError`` on bad input.
     """
     files = find_traces(trace_dir)
+    if flight_recorder is not None and not os.path.isdir(flight_recorder):  # before the long read
+        raise FlightRecorderError(path=str(flight_recorder), reason="not a directory")
     if perfetto is not None:
         check_output(perfetto, files.values())  # before the long read, not after it
     wanted = None if ranks is None else sorted(set(ranks))
@@ -69,11 +80,23 @@ def replay(
         raise TraceDirError(trace_dir, f"--epoch {epochs} selects nothing: its traces hold epochs 0-{last}")
     diagnosis = diagnose(traces, expected=wanted, straggler_ratio=straggler_ratio, run=chosen.run,
                          ignored=chosen.ignored, warnings=chosen.warnings)  # fmt: skip
+    report = explain(files, flight_recorder, run=chosen.run)
     if perfetto is not None:
         from miles_fsm.perfetto import export_perfetto
 
-        export_perfetto(traces, perfetto, epochs=epochs)
-    return diagnosis
+        export_perfetto(traces, perfetto, epochs=epochs,
+                        collectives=report.to_json()["ranks"] if report is not None else ())  # fmt: skip
+    return with_flight_recorder(diagnosis, report)
+
+
+def with_flight_recorder(d: Diagnosis, report: FrReport | None) -> Diagnosis:
+    """``d`` with what the Flight Recorder dumps say (a mismatch of collectives is a problem: exit 3)."""
+    if report is None:
+        return d
+    rogue = sorted(r.rank for r in report.ranks if r.declared is False)
+    notes = [*d.notes, f"the Flight Recorder shows {plural_ranks(rogue)} inside a collective its step's plan did not "
+             "declare: the likely cause of the hang"] if rogue else d.notes  # fmt: skip
+    return dataclasses.replace(d, flight_recorder=report.to_json(), notes=notes)
 
 
 # ----------------------------------------------------------------------- CLI
@@ -89,6 +112,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("dir", help="the trace directory (the --trace-dir of the run)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument(
+        "--flight-recorder", metavar="FRDIR",
+        help="a folder of fr-rank-<r>.json Flight Recorder dumps (default: those beside the traces): says which "
+        "collective each rank was in, and in which step it was issued",
+    )
     p.add_argument("--perfetto", metavar="OUT.json", help="also write a Chrome/Perfetto timeline to OUT.json")
     p.add_argument(
         "--rank",
@@ -138,8 +166,9 @@ def _run(args: argparse.Namespace) -> int:
             straggler_ratio=args.straggler_ratio,
             perfetto=args.perfetto,
             run=args.run_id,
+            flight_recorder=args.flight_recorder,
         )
-    except (TraceDirError, OutputPathError) as exc:
+    except (TraceDirError, OutputPathError, FlightRecorderError) as exc:
         sys.stderr.write(f"miles-fsm replay: {exc}\n")
         return EXIT_BAD_INPUT
     if args.json:
@@ -183,6 +212,11 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
     """(style, text) lines of the report; the first is the verdict."""
     L: list[tuple[str | None, str]] = [(_STYLE[d.verdict], f"{d.verdict.upper()}: {d.headline}")]
     add = L.append
+    fr = d.flight_recorder
+    if fr is not None:
+        add(("bold red" if fr["mismatch"] else None, f"flight recorder: {fr['line']}"))
+        for problem in fr["problems"]:
+            add(("yellow", f"  flight recorder: {problem}"))
     if d.culprit is not None:
         c = d.culprit
         who = rank_ranges(c["ranks"]) or "unknown"

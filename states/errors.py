@@ -16,6 +16,7 @@ __all__ = [
     "RecoveryError",
     "StructureVersionError",
     "TensorSetChangedError",
+    "UndeclaredCollectiveError",
     "VerificationError",
     "WeightVersionError",
 ]
@@ -126,4 +127,22 @@ class DriverProtocolError(MilesFsmError, TypeError):
             f"the {role} driver {driver} lacks {len(self.missing)} member(s) of {protocol}: "
             f"{', '.join(self.missing)}. Implement them (docs/embedding.md lists what each must do); "
             "nothing ran."
+        )
+
+
+class UndeclaredCollectiveError(MilesFsmError, RuntimeError):
+    """A step issued a collective its plan did not declare (seen by the plan audit)."""
+
+    def __init__(self, *, rank: int, epoch: int, trigger: str, step: str, collective: str,
+                 declared: Sequence[str]) -> None:  # fmt: skip
+        self.rank = rank
+        self.epoch = epoch
+        self.trigger = trigger
+        self.step = step
+        self.collective = collective
+        self.declared = tuple(declared)
+        super().__init__(
+            f"rank {rank} issued {collective} in {trigger}/{step} (epoch {epoch}), which its plan did not "
+            f"declare (declared: [{', '.join(self.declared)}]). The guard compared a plan without it, so the "
+            "ranks can hang in it: declare it in the driver's collectives(step), or remove it."
         )

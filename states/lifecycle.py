@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, Tra
 from miles_fsm.plan import Intent
 from miles_fsm.schema import RECOVERED, TRACE_OPENED
 from miles_fsm.states.actions import Actions
+from miles_fsm.states.audit import dump_beside_trace, make_audit
 from miles_fsm.states.planning import TensorSetCache
 from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
@@ -106,13 +108,14 @@ class Lifecycle:
                                 calls_engine=engine_leader is not False)  # fmt: skip
         table = self._actions.table
         shared = engine_leader is not None and self._guard.active
+        self._audit = make_audit(self._config.verify, self._guard)
         # Names and the step selection are fixed facts of the table and the
         # drivers: computed once here, not on every trigger.
         self._plans = {
             t.trigger: tuple(
-                PlannedStep(str(s), s, self._shared(table[s.kind], t.trigger) if shared and _engine_side(s) else
-                            table[s.kind])
-                for s in self._steps(t, strategy)
+                PlannedStep(str(s), s, self._audited(self._shared(table[s.kind], t.trigger) if shared and
+                            _engine_side(s) else table[s.kind], t.trigger, str(s), i == 0, i == len(steps) - 1))
+                for steps in [self._steps(t, strategy)] for i, s in enumerate(steps)
             )
             for t in DEFINITION.transitions
         }  # fmt: skip
@@ -124,11 +127,14 @@ class Lifecycle:
             tracer=tracer,
             probe=trainer.memory_in_use,
             timeout_for=self._config.guard.timeout_for,
+            on_failure=lambda f: self.dump_flight_recorder(trigger=f.trigger.value, epoch=f.epoch, step=f.step,
+                                                           error=type(f.error).__name__),
         )
 
     def _open_trace(self, strategy: Strategy, sink: TraceSink | None, extra: Mapping[str, Any]) -> TraceSink:
         # Shared by every rank, traced or not: sharing it is collective.
         run_id = self._guard.share_run_id(self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or None)
+        self._run_id = run_id  # FR dumps carry it: replay leaves out other runs' dumps
         meta = {
             "strategy": strategy.value,
             "guard_timeout_s": self._guard.timeout_s,
@@ -142,9 +148,13 @@ class Lifecycle:
             return sink
         if self._config.trace_dir is None:
             return NullTracer()
+        return Tracer(self._trace_dir, rank=self._guard.rank, world=self._guard.world, run=run_id, **meta)
+
+    @property
+    def _trace_dir(self) -> Path | None:
         # Several lifecycles of one job (actor, ref, critic) trace into folders of their own.
-        trace_dir = self._config.trace_dir / self._config.name if self._config.name else self._config.trace_dir
-        return Tracer(trace_dir, rank=self._guard.rank, world=self._guard.world, run=run_id, **meta)
+        d = self._config.trace_dir
+        return d / self._config.name if d is not None and self._config.name else d
 
     # ------------------------------------------------------------------ facts
 
@@ -252,6 +262,23 @@ class Lifecycle:
                 return 0.0  # nothing here can hang: only a collective waits on the others
             intent = self._intent(step, state, state, self.epoch, tuple(collectives))
             return self._machine.agree(intent, {"epoch": self.epoch, "trigger": step, "state": state})
+
+    # ------------------------------------------------------------ plan audit
+
+    def _audited(self, action: Callable[[Step, int], Any], trigger: Trigger, name: str, first: bool,
+                 last: bool) -> Callable[[Step, int], Any]:  # fmt: skip
+        if self._audit is None:
+            return action
+        return self._audit.wrap(action, self._collectives, trigger=trigger.value, name=name, first=first, last=last)
+
+    def dump_flight_recorder(self, **meta: Any) -> Path | None:
+        """Write this rank's Flight Recorder beside its trace (``fr-rank-<r>.json``), for replay.
+
+        None when the recorder is off or nothing is traced to a directory.
+        Every failed transition calls it; call it on a failure outside one
+        (a train step's collective timing out).
+        """
+        return dump_beside_trace(self._trace_dir, self._guard, run=self._run_id, **meta)
 
     # --------------------------------------------------------------- planning
 

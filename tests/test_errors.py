@@ -9,6 +9,7 @@ import pytest
 import miles_fsm.apps.errors as app_errors
 import miles_fsm.drivers.errors as driver_errors
 import miles_fsm.errors as engine_errors
+import miles_fsm.flight_recorder as flight_recorder
 import miles_fsm.launch as launch
 import miles_fsm.states.errors as state_errors
 from miles_fsm.errors import LastSeen, MilesFsmError, describe, plain
@@ -28,6 +29,10 @@ SAMPLES = [
                                       errors={0: "RuntimeError: refused"}),  # fmt: skip
     engine_errors.ProcessGroupMissingError(world_size=2, rank="1"),
     state_errors.RecoveryError(target="TRAINING", reason="tags gone"),
+    state_errors.UndeclaredCollectiveError(rank=1, epoch=2, trigger="sync", step="trainer.param_sync",
+                                           collective="all_reduce #6 on pg default_pg [1]",
+                                           declared=["all_gather@dp[64:bfloat16]"]),  # fmt: skip
+    flight_recorder.FlightRecorderError(path="fr/fr-rank-0.json", reason="no 'entries' list"),
     engine_errors.MemoryReleasedError(owner="trainer", op="hash", tags=["param_buffer"]),
     driver_errors.MissingDependencyError(package="httpx", extra="sglang-http", needed_for="the HTTP transport"),
     engine_errors.RankFailedError(rank=0, waiting_for="PAUSED", trigger="offload", epoch=1, step="backup(actor)",

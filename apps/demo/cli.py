@@ -35,8 +35,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--inject", action="append", default=[], type=_injection, metavar="KIND:RANK:STEP",
         help=f"fault to inject, KIND in {'|'.join(INJECTION_KINDS)} (stall: a hang inside a collective, "
-        "after its guard); repeatable",
+        "after its guard; undeclared: a collective the step's plan does not declare, caught by the plan audit); "
+        "repeatable",
     )
+    p.add_argument("--no-audit", dest="audit", action="store_false",
+                   help="skip the plan audit (an undeclared collective then hangs the ranks; "
+                   "replay --flight-recorder explains it)")
     p.add_argument("--guard-timeout", type=float, default=10.0, help="seconds a guard waits (default 10)")
     p.add_argument("--trainer", choices=TRAINERS, default="reference",
                    help="reference: the pure-torch trainer and engine (default); megatron: real megatron-core "
@@ -75,6 +79,7 @@ def _run(args: argparse.Namespace) -> int:
         mode=Strategy(args.mode),
         trace_dir=args.trace_dir if args.trace_dir is not None else default_dir,
         injections=tuple(args.inject),
+        audit=args.audit,
         guard_timeout_s=args.guard_timeout,
         layers=args.layers,
         dim=args.dim,

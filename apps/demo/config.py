@@ -16,7 +16,7 @@ __all__ = ["INJECTION_KINDS", "LAUNCHERS", "MAX_GUARD_TIMEOUT_S", "TRAINERS", "M
 #: ``stall`` is a hang after the guard passed, inside the param sync's
 #: all-gather: a collective no guard covers, which only the process group's
 #: own timeout ends.
-INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt", "stall")
+INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt", "stall", "undeclared")
 #: One host runs every rank, each with torch loaded (about 0.3 GB) and its gloo connections.
 MAX_RANKS = 64
 MAX_STEPS = 100_000
@@ -58,6 +58,9 @@ class DemoConfig:
     mode: Strategy = Strategy.REMATERIALIZE
     trace_dir: Path = field(default_factory=lambda: fresh_trace_dir(Path("miles-fsm-traces")))
     injections: tuple[Injection, ...] = ()
+    #: The plan audit on verified cycles (the demo verifies every cycle); False lets an
+    #: ``undeclared`` injection hang the ranks, for replay ``--flight-recorder`` to explain.
+    audit: bool = True
     guard_timeout_s: float = 10.0
     layers: int = 2
     dim: int = 32
@@ -87,7 +90,7 @@ class DemoConfig:
                 out.append(f"--inject {inj}: rank must be in 0..{self.ranks - 1}")
             if not 1 <= inj.step <= self.steps:
                 out.append(f"--inject {inj}: step must be in 1..{self.steps}")
-            if inj.kind in ("hang", "diverge", "stall") and self.ranks < 2:
+            if inj.kind in ("hang", "diverge", "stall", "undeclared") and self.ranks < 2:
                 out.append(f"--inject {inj}: needs --ranks >= 2 (only a peer's guard can notice it)")
         if self.layers < 1 or self.dim < 1 or self.heads < 1 or self.dim % self.heads:
             out.append(f"--layers and --dim must be >= 1, --dim a multiple of {self.heads} heads")
@@ -137,6 +140,7 @@ class DemoConfig:
             "trace_dir": str(self.trace_dir),
             "injections": [(i.kind, i.rank, i.step) for i in self.injections],
             "guard_timeout_s": self.guard_timeout_s,
+            "audit": self.audit,
             "model": {k: getattr(self, k) for k in ("vocab", "dim", "layers", "heads", "max_seq")},
             "batch": self.batch,
             "prompt_len": self.prompt_len,

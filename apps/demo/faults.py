@@ -12,7 +12,13 @@ breaks the rank in the place the brief names:
   ``VerificationError``, traced back to the shard's owner;
 - ``stall``: the rank stops inside its train step, after the train guard
   passed, while the others wait in its first collective -> only the process
-  group's timeout ends their wait (``DemoConfig.pg_timeout_s``).
+  group's timeout ends their wait (``DemoConfig.pg_timeout_s``);
+- ``undeclared``: the rank's ``param_sync`` (``restore`` under backup) also
+  starts an all-reduce its plan does not declare, on a group of the demo's
+  own that no peer joins -> ``UndeclaredCollectiveError`` from the plan
+  audit; with the audit off, the rank waits for it in its train step while
+  the others wait for it in theirs, until the process group's timeout
+  (replay ``--flight-recorder`` names both sides).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ def demo_trainer_cls() -> type:
         """The reference trainer with the demo's faults, armed for one step at a time."""
 
         armed: str | None = None
+        stray: Any = None  # the undeclared collective's work, waited for in the next train step
+        side_group: Any = None  # made on every rank when an ``undeclared`` fault is injected
 
         @property
         def _believed_frozen(self) -> int:
@@ -83,20 +91,37 @@ def demo_trainer_cls() -> type:
         def train_step(self, *args: Any, **kwargs: Any) -> Any:
             if self.armed == "stall":
                 hang_forever()
+            if self.stray is not None:  # an overlapped collective, waited for where its result is used
+                self.stray.wait()
             return super().train_step(*args, **kwargs)
 
         def param_sync(self) -> Any:
             # After the guard passed: the peers are inside the all-gather with us when we die.
             if self.armed == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
-            return super().param_sync()
+            report = super().param_sync()
+            self.issue_undeclared()
+            return report
+
+        def issue_undeclared(self) -> None:
+            """The bug the audit exists for: one collective more than the plan said, left in flight."""
+            if self.armed != "undeclared":
+                return
+            import torch
+            import torch.distributed as dist
+
+            # Started and left in flight: the step returns, as an overlapped collective would.
+            self.stray = dist.all_reduce(torch.ones(1), group=self.side_group, async_op=True)
 
         def restore(self, tag: str) -> Any:
             if self.armed == "crash" and self.strategy is Strategy.BACKUP:  # no param sync under backup
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.armed == "corrupt" and self.strategy is Strategy.BACKUP:
                 self.flip_master_bit()
-            return super().restore(tag)
+            report = super().restore(tag)
+            if self.strategy is Strategy.BACKUP:
+                self.issue_undeclared()
+            return report
 
         def flip_master_bit(self) -> None:
             """Flip the sign bit of one master weight inside a param this rank alone owns."""

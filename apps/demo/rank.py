@@ -54,13 +54,17 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
     saver = CpuMemorySaver()  # one "device": trainer and engine share it, as they share a GPU
     trainer = demo_trainer_cls()(config=TrainerConfig(model=model, strategy=mode), saver=saver)
     engine = ReferenceEngine(config=EngineConfig(model=model, max_batch=kw["batch"]), saver=saver)
+    if any(kind == "undeclared" for kind, _, _ in kw["injections"]):  # every rank: making a group is collective
+        import torch.distributed as dist
+
+        trainer.side_group = dist.new_group(backend="gloo", group_desc="demo_side")
     guard = Guard.from_default_group(timeout_s=kw["guard_timeout_s"])
     lc = Lifecycle(
         trainer=trainer,
         engine=engine,
         config=LifecycleConfig(
             guard=GuardConfig(timeout_s=kw["guard_timeout_s"]),
-            verify=VerifyConfig(cycles=None),
+            verify=VerifyConfig(cycles=None, audit=kw.get("audit", True)),
             trace_dir=Path(kw["trace_dir"]),
             run_id=kw["run_id"],
         ),
@@ -109,6 +113,8 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
         except Exception as exc:  # re-raised below, with the culprit named when the evidence allows
             if lc.state is not State.FAILED and world > 1:  # the lifecycle publishes its own failures
                 guard.publish_failure(lc.epoch, where, lc.state.value, f"failed in {where} of")
+            if lc.state is not State.FAILED:  # the lifecycle dumps its own failures' recorder too
+                lc.dump_flight_recorder(trigger=where, epoch=lc.epoch, step=None, error=type(exc).__name__)
             located = locate(exc, rank=rank, world=world, guard=guard, trainer=trainer)
             lc.tracer.emit(
                 DEMO_FAILED,

@@ -13,6 +13,7 @@ from miles_fsm.apps.demo.rank import rank_main
 from miles_fsm.apps.demo.report import DemoResult, blame
 from miles_fsm.apps.demo.tracedir import prepare_trace_dir, trace_run
 from miles_fsm.diagnosis import diagnose
+from miles_fsm.flight_recorder import DEFAULT_BUFFER, FR_ENV
 from miles_fsm.launch import run_ranks
 from miles_fsm.trace_model import RankTrace
 from miles_fsm.trace_reader import read_ranks
@@ -55,6 +56,8 @@ def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
             kwargs={**config.to_kwargs(), "run_id": run},
             pg_timeout_s=config.pg_timeout_s,
             linger_s=config.linger_s,
+            # The Flight Recorder on in every rank: its dumps beside the traces explain a hang.
+            **({"env": {FR_ENV: str(DEFAULT_BUFFER)}} if config.launcher == "local" else {}),
         )
     finally:
         if watcher is not None:

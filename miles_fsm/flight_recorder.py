@@ -1,0 +1,221 @@
+"""PyTorch's Flight Recorder: turn it on, read this rank's collectives, dump and load them.
+
+The Flight Recorder (FR) keeps a ring buffer of every collective a process
+issued, on gloo (CPU) as on NCCL, when ``TORCH_FR_BUFFER_SIZE`` is set before
+the first process group is made. On gloo ``state`` stays ``"scheduled"``;
+``retired`` is what says a collective completed, so ``in_flight`` reads it.
+
+The engine only reads and writes FR records: mapping them to a lifecycle's
+steps is the plan audit's (``miles_fsm.states.audit``) and replay's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from miles_fsm.errors import MilesFsmError
+
+__all__ = [
+    "DEFAULT_BUFFER",
+    "FR_ENV",
+    "FlightRecorderError",
+    "FrEntry",
+    "RankDump",
+    "dump",
+    "enable",
+    "enabled",
+    "entries",
+    "load_dir",
+    "load_file",
+    "parse",
+    "position",
+]
+
+#: The variable that turns the recorder on; read by torch when the first process group is made.
+FR_ENV = "TORCH_FR_BUFFER_SIZE"
+#: Entries kept: enough for a transition's collectives and the train step's, small enough to read fast.
+DEFAULT_BUFFER = 200
+_DUMP_GLOB = "fr-rank-*.json"
+
+
+class FlightRecorderError(MilesFsmError, ValueError):
+    """A Flight Recorder dump could not be read."""
+
+    def __init__(self, *, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot read the Flight Recorder dump {path}: {reason}. "
+                         "Pass the folder of fr-rank-<r>.json files the run wrote.")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class FrEntry:
+    """One collective as the recorder saw it."""
+
+    record_id: int
+    seq: int  # collective_seq_id: the n-th collective of its process group
+    op: str  # "all_gather", "all_reduce", ... (the backend prefix dropped)
+    pg: str  # the process group's name
+    pg_desc: str
+    numel: int  # elements of the largest input
+    input_sizes: tuple[tuple[int, ...], ...]
+    output_sizes: tuple[tuple[int, ...], ...]
+    dtype: str | None
+    retired: bool  # completed (gloo: the work finished)
+    time_ns: int
+    is_p2p: bool
+
+    @property
+    def size(self) -> int:
+        """Elements of the largest input or output (an all-gather's declared size is its output's)."""
+        return max([self.numel, *(_prod(s) for s in self.output_sizes)])
+
+    def __str__(self) -> str:
+        return f"{self.op} #{self.seq} on pg {self.pg_desc or self.pg} [{self.numel}]"
+
+
+@dataclass(frozen=True, slots=True)
+class RankDump:
+    """One rank's dump: its entries, oldest first."""
+
+    rank: int
+    entries: tuple[FrEntry, ...]
+    path: str
+
+    def last(self, *, skip_pgs: Iterable[str] = ()) -> FrEntry | None:
+        """The newest collective outside ``skip_pgs`` (the guard's own group)."""
+        skip = set(skip_pgs)
+        return next((e for e in reversed(self.entries) if e.pg not in skip), None)
+
+
+def enable(buffer: int = DEFAULT_BUFFER) -> None:
+    """Turn the recorder on for process groups made after this call (before ``init_process_group``)."""
+    os.environ.setdefault(FR_ENV, str(buffer))
+
+
+def enabled() -> bool:
+    try:
+        return int(os.environ.get(FR_ENV, "0") or 0) > 0
+    except ValueError:
+        return False
+
+
+def _raw() -> dict[str, Any]:
+    import pickle
+
+    import torch
+
+    # The pickled dump without stack traces: several times cheaper than the JSON one, and it is
+    # this process's own (trusted) data. The audit reads it once per audited transition.
+    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))  # noqa: S301
+
+
+def parse(entry: dict[str, Any]) -> FrEntry:
+    """One raw FR entry (a dict of ``_dump_fr_trace_json``) as an ``FrEntry``."""
+    name = str(entry.get("profiling_name", ""))
+    inputs = tuple(tuple(int(d) for d in s) for s in entry.get("input_sizes") or ())
+    outputs = tuple(tuple(int(d) for d in s) for s in entry.get("output_sizes") or ())
+    pg = entry.get("process_group") or ["", ""]
+    dtypes = entry.get("input_dtypes") or ()
+    return FrEntry(
+        record_id=int(entry.get("record_id", -1)),
+        seq=int(entry.get("collective_seq_id", -1)),
+        op=name.split(":", 1)[-1],
+        pg=str(pg[0]),
+        pg_desc=str(pg[1]) if len(pg) > 1 else "",
+        numel=max((_prod(s) for s in inputs), default=0),
+        input_sizes=inputs,
+        output_sizes=outputs,
+        dtype=str(dtypes[0]) if dtypes else None,
+        retired=bool(entry.get("retired", False)),
+        time_ns=int(entry.get("time_created_ns", 0)),
+        is_p2p=bool(entry.get("is_p2p", False)),
+    )
+
+
+def _prod(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def entries(after: int = -1, *, since_ns: int = 0) -> tuple[FrEntry, ...]:
+    """This process's recorded collectives with ``record_id > after`` made at or after ``since_ns``, oldest first."""
+    if not enabled():
+        return ()
+    raw = _raw().get("entries") or ()
+    return tuple(parse(e) for e in raw if e.get("record_id", -1) > after and e.get("time_created_ns", 0) >= since_ns)
+
+
+def position() -> int:
+    """The newest record id (-1: none yet): a step boundary for ``entries(after=...)``."""
+    recorded = entries()
+    return recorded[-1].record_id if recorded else -1
+
+
+def dump(directory: Path | str, rank: int, **meta: Any) -> Path | None:
+    """Write this process's recorder to ``directory/fr-rank-<rank>.json``; None when it is off.
+
+    ``meta`` (the trigger, epoch and step in flight, the guard's group) goes
+    beside the raw dump, so replay can name what the rank was doing.
+    """
+    if not enabled():
+        return None
+    path = Path(directory) / f"fr-rank-{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(orjson.dumps({"rank": rank, "meta": meta, "fr": _raw()}, default=str))
+    tmp.replace(path)
+    return path
+
+
+def load_file(path: Path | str) -> RankDump:
+    """One dump written by ``dump`` (or a bare ``_dump_fr_trace_json``, with the rank from its name)."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise FlightRecorderError(path=str(p), reason=f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise FlightRecorderError(path=str(p), reason="not a JSON object")
+    fr = doc.get("fr", doc)
+    raw = fr.get("entries") if isinstance(fr, dict) else None
+    if not isinstance(raw, list):
+        raise FlightRecorderError(path=str(p), reason="no 'entries' list")
+    rank = doc.get("rank")
+    if rank is None:
+        digits = p.stem.rsplit("-", 1)[-1]
+        if not digits.isdigit():
+            raise FlightRecorderError(path=str(p), reason="no rank in the file or its name (fr-rank-<r>.json)")
+        rank = int(digits)
+    try:
+        parsed = tuple(parse(e) for e in raw)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise FlightRecorderError(path=str(p), reason=f"a malformed entry ({exc})") from None
+    return RankDump(rank=int(rank), entries=parsed, path=str(p))
+
+
+def load_dir(directory: Path | str) -> dict[int, RankDump]:
+    """Every ``fr-rank-<r>.json`` under ``directory`` (searched recursively), by rank."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise FlightRecorderError(path=str(d), reason="not a directory")
+    return {dump.rank: dump for dump in map(load_file, sorted(d.rglob(_DUMP_GLOB)))}
+
+
+def dump_meta(path: Path | str) -> dict[str, Any]:
+    """The ``meta`` that ``dump`` wrote beside the entries ({} when none)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    meta = doc.get("meta") if isinstance(doc, dict) else None
+    return meta if isinstance(meta, dict) else {}

@@ -1,0 +1,165 @@
+"""Each rank's last collective in its Flight Recorder dump, placed in the lifecycle step it was issued in.
+
+A hang in a collective leaves every rank's trace at "inside a step"; the
+recorder says *which* collective each rank was in (its process group's
+sequence number, op and sizes). Placing that collective's creation time in
+the rank's trace names the step that issued it, so ranks that wait in
+different collectives of the same group are told in one line, e.g.
+"ranks 0-6 in all_gather #39 during sync/param_sync (epoch 5); ranks 7-9
+in reduce_scatter #39 during train (epoch 5)".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from miles_fsm import flight_recorder as fr
+from miles_fsm.ranks import rank_ranges
+
+__all__ = ["FrReport", "RankCollective", "align", "explain"]
+
+
+@dataclass(frozen=True, slots=True)
+class RankCollective:
+    """Where one rank's last collective was issued."""
+
+    rank: int
+    entry: fr.FrEntry
+    where: str  # "sync/param_sync", "train", "guard of resume", ...
+    epoch: int | None
+    declared: bool | None  # whether the step's guarded plan listed its op (None: no plan traced)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.entry.op, self.entry.seq, self.entry.pg_desc or self.entry.pg, self.where, self.epoch)
+
+    def to_json(self) -> dict[str, Any]:
+        e = self.entry
+        return {"rank": self.rank, "op": e.op, "collective_seq_id": e.seq, "process_group": e.pg_desc or e.pg,
+                "input_sizes": [list(s) for s in e.input_sizes], "output_sizes": [list(s) for s in e.output_sizes],
+                "time_ns": e.time_ns, "where": self.where, "epoch": self.epoch, "declared": self.declared}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class FrReport:
+    """What the dumps say: each rank's last collective, and the one-line summary."""
+
+    ranks: tuple[RankCollective, ...]
+    missing: tuple[int, ...]
+    problems: tuple[str, ...]
+
+    @property
+    def mismatch(self) -> bool:
+        """True when the ranks were last in different collectives (or some issued one the plan lacked)."""
+        return len({r.key[:3] for r in self.ranks}) > 1 or any(r.declared is False for r in self.ranks)
+
+    @property
+    def line(self) -> str:
+        groups: dict[tuple[Any, ...], list[RankCollective]] = {}
+        for r in sorted(self.ranks, key=lambda r: r.rank):
+            groups.setdefault(r.key, []).append(r)
+        parts = []
+        for members in groups.values():
+            r = members[0]
+            who = "rank" if len(members) == 1 else "ranks"
+            epoch = f" (epoch {r.epoch})" if r.epoch is not None else ""
+            flag = ", not in its plan" if r.declared is False else ""
+            parts.append(f"{who} {rank_ranges([m.rank for m in members])} in {r.entry.op} #{r.entry.seq} on "
+                         f"{r.entry.pg_desc or r.entry.pg} during {r.where}{epoch}{flag}")  # fmt: skip
+        if self.missing:
+            parts.append(f"no dump from rank(s) {rank_ranges(list(self.missing))}")
+        return "; ".join(parts) if parts else "no collective recorded"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"line": self.line, "mismatch": self.mismatch, "ranks": [r.to_json() for r in self.ranks],
+                "missing": list(self.missing), "problems": list(self.problems)}  # fmt: skip
+
+
+def _records(path: Path, run: str | None) -> list[dict[str, Any]]:
+    out = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a torn last line: replay's own reader reports it
+            if isinstance(rec, dict) and (run is None or rec.get("run") == run):
+                out.append(rec)
+    return out
+
+
+def _place(records: list[dict[str, Any]], t_ns: int) -> tuple[str, int | None, bool | None]:
+    """The step a collective created at wall time ``t_ns`` was issued in, its epoch, and whether it was declared."""
+    where, epoch, planned = "start", None, None
+    plans: dict[str, list[str]] = {}
+    for rec in records:
+        if rec.get("wall", 0) * 1e9 > t_ns:
+            break
+        event, trigger = rec.get("event"), rec.get("trigger")
+        if event == "guard_entered":
+            plans[str(trigger)] = [str(c).split("@", 1)[0] for c in rec.get("collectives") or ()]
+            where, epoch, planned = f"guard of {trigger}", rec.get("epoch"), None
+        elif event == "guard_passed":
+            where, epoch, planned = str(trigger), rec.get("epoch"), plans.get(str(trigger))
+        elif event == "action_started":
+            where, epoch = f"{trigger}/{rec.get('action')}", rec.get("epoch")
+            planned = plans.get(str(trigger), [])
+        elif event in ("action_finished", "transition_finished"):
+            where, planned = f"after {trigger}/{rec.get('action') or ''}".rstrip("/"), None
+    return where, epoch, planned  # type: ignore[return-value]
+
+
+_REDUCE_SCATTER_AS = {"all_reduce", "reduce_scatter"}
+
+
+def align(traces: Mapping[int, Path], dumps: Mapping[int, fr.RankDump], *, run: str | None = None) -> FrReport:
+    """Each dumped rank's last collective outside the guard's group, placed in its trace."""
+    placed, problems = [], []
+    for rank, dump in sorted(dumps.items()):
+        meta = fr.dump_meta(dump.path)
+        if run is not None and meta.get("run") not in (None, run):
+            problems.append(f"rank {rank}: {dump.path} is of run {meta['run']}, not {run}: left out")
+            continue
+        guard_pg = meta.get("guard_pg")
+        last = dump.last(skip_pgs=[guard_pg] if guard_pg else [])
+        if last is None:
+            problems.append(f"rank {rank}: its dump holds no collective outside the guard's group")
+            continue
+        path = traces.get(rank)
+        where, epoch, plan = _place(_records(path, run), last.time_ns) if path else ("(no trace)", None, None)
+        ops = set(plan) if plan is not None else None
+        if ops is not None and "reduce_scatter" in ops:
+            ops |= _REDUCE_SCATTER_AS  # gloo records a reduce-scatter as an all-reduce
+        declared = None if ops is None else last.op in ops
+        placed.append(RankCollective(rank, last, where, epoch, declared))
+    missing = tuple(sorted(set(traces) - {r.rank for r in placed}))
+    return FrReport(tuple(placed), missing, tuple(problems))
+
+
+def explain(traces: Mapping[int, Path], fr_dir: Path | str | None, *, run: str | None = None) -> FrReport | None:
+    """The report from the dumps in ``fr_dir`` (None: beside the traces); None when there are none.
+
+    Raises ``FlightRecorderError`` for a ``fr_dir`` that cannot be read, or a corrupt dump in it.
+    """
+    if fr_dir is None:
+        folders = {p.parent for p in traces.values()}
+        found = {}
+        problems = []
+        for folder in folders:
+            for path in sorted(folder.glob("fr-rank-*.json")):
+                try:
+                    d = fr.load_file(path)
+                except fr.FlightRecorderError as exc:
+                    problems.append(str(exc))  # beside the traces and unreadable: noted, not fatal
+                    continue
+                found[d.rank] = d
+        if not found and not problems:
+            return None
+        report = align(traces, found, run=run)
+        return FrReport(report.ranks, report.missing, (*report.problems, *problems))
+    return align(traces, fr.load_dir(fr_dir), run=run)
