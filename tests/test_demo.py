@@ -148,11 +148,18 @@ def test_hang_as_a_subprocess_names_the_hung_rank_and_leaves_no_process(tmp_path
 
 
 @pytest.mark.slow
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     """SIGINT to the demo's process group (what Ctrl-C sends) ends the run with 130 and no process left."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "miles_fsm", "demo", "--steps", "200", "--trace-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # As from a terminal: a suite started in the background (`cmd &` in a script) inherits
+        # SIGINT ignored, and Python then leaves it ignored, so Ctrl-C would never reach the demo.
+        preexec_fn=_default_sigint,
     )
     try:
         deadline = time.monotonic() + 30
