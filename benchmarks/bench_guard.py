@@ -1,7 +1,7 @@
 """The whole guarded path (planning + intent + guard) against a bare all-reduce, at 69 to 10 000 tensors.
 
     python benchmarks/bench_guard.py --out benchmarks/results/guard_cpu.json [--tensors 69 1000 10000]
-        [--ranks 2] [--runs 3] [--rounds 7] [--iters 40]
+        [--ranks 2] [--runs 3] [--rounds 7] [--iters 240] [--block 20] [--walked-iters 20]
 
 Per tensor count, in the same processes and on the same gloo group:
 
@@ -12,12 +12,16 @@ Per tensor count, in the same processes and on the same gloo group:
   guarded transition: what every transition paid before issue 18);
 - ``tensor_set``: ``trainer.tensor_set()`` alone, the walk itself (local).
 
-A round is a barrier, then ``--iters`` of each side (the two collective sides
-in alternating order from round to round); a round's figure is the median
-of its iterations, over ranks the median of the ranks' figures. Ratios are per
-round, both sides from that round; the JSON holds their spread over the
-rounds of each run, and the spread of the runs' medians over ``--runs``
-launches of fresh processes (between-run noise is what issue 18 saw).
+A round is a barrier, then ``--iters`` of ``bare`` and of ``cached``
+interleaved in blocks of ``--block`` (which side opens alternates from block
+to block), so the two sides of a ratio see the same load; then a barrier and
+``--walked-iters`` of ``walked`` (a walk of 10 000 tensors costs about 100
+all-reduces, so its ratio needs no fine interleaving), then of ``tensor_set``.
+A round's figure is the median of its iterations, over ranks the median of
+the ranks' figures. Ratios are per round, both sides from that round; the
+JSON holds their spread over the rounds of each run, and the spread of the
+runs' medians over ``--runs`` launches of fresh processes (between-run noise
+is what issue 18 saw).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +82,23 @@ class _VersionedStub(_StubTrainer):
     structure_version = property(lambda self: 0)
 
 
-def _median_of(fn: Any, iters: int) -> float:
-    times = []
+def _times(fn: Any, iters: int, into: list[float]) -> list[float]:
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        into.append(time.perf_counter() - t0)
+    return into
+
+
+def _interleaved(a: Any, b: Any, iters: int, block: int) -> tuple[float, float]:
+    """Medians of ``iters`` calls of ``a`` and of ``b``, run in alternating blocks of ``block``."""
+    ta: list[float] = []
+    tb: list[float] = []
+    for k in range(0, iters, block):
+        n = min(block, iters - k)
+        for fn, into in ((a, ta), (b, tb)) if (k // block) % 2 == 0 else ((b, tb), (a, ta)):
+            _times(fn, n, into)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def _rank(ctx: RankContext) -> dict[str, Any]:
@@ -108,21 +123,21 @@ def _rank(ctx: RankContext) -> dict[str, Any]:
         walked = Lifecycle(trainer=_StubTrainer(n), config=config, guard=guard)
         walk_trainer = _StubTrainer(n)
         collectives = (Collective("all_reduce", "dp", "float32", n * 1024),)
-        sides = {
-            "bare": lambda: dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group),
-            "cached": lambda: cached.agree_on("train", collectives),
-            "walked": lambda: walked.agree_on("train", collectives),
-        }
-        cached.agree_on("train", collectives)  # the first walk, and the guard's first all-reduce
+        bare = partial(dist.all_reduce, buf, op=dist.ReduceOp.MAX, group=group)
+        guarded = partial(cached.agree_on, "train", collectives)
+        walk_guarded = partial(walked.agree_on, "train", collectives)
+        guarded()  # the first walk, and the guard's first all-reduce
         walked.agree_on("train", collectives)
         rounds: dict[str, list[float]] = {"bare": [], "cached": [], "walked": [], "tensor_set": []}
-        for r in range(kw["rounds"]):
-            order = ("bare", "cached", "walked") if r % 2 == 0 else ("cached", "bare", "walked")
-            for side in order:
-                dist.barrier(group=group)
-                rounds[side].append(_median_of(sides[side], kw["iters"]))
+        for _ in range(kw["rounds"]):
             dist.barrier(group=group)
-            rounds["tensor_set"].append(_median_of(walk_trainer.tensor_set, kw["iters"]))
+            b, c = _interleaved(bare, guarded, kw["iters"], kw["block"])
+            rounds["bare"].append(b)
+            rounds["cached"].append(c)
+            dist.barrier(group=group)
+            rounds["walked"].append(statistics.median(
+                _times(walk_guarded, kw["walked_iters"], [])))  # fmt: skip
+            rounds["tensor_set"].append(statistics.median(_times(walk_trainer.tensor_set, kw["walked_iters"], [])))
         out[str(n)] = rounds
     return out
 
@@ -166,14 +181,19 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2])
     ap.add_argument("--runs", type=int, default=3, help="launches of fresh rank processes (the spread between runs)")
     ap.add_argument("--rounds", type=int, default=7, help="barrier-separated rounds per run")
-    ap.add_argument("--iters", type=int, default=40, help="iterations of each side per round")
+    ap.add_argument("--iters", type=int, default=240, help="iterations of bare and of cached per round")
+    ap.add_argument("--block", type=int, default=20, help="iterations of one side before the other's")
+    ap.add_argument("--walked-iters", type=int, default=20, help="iterations of walked and tensor_set per round")
     args = ap.parse_args()
     if args.rounds < 3 or args.runs < 1:
         ap.error("--rounds must be at least 3 (a ratio's spread needs rounds) and --runs at least 1")
+    if not 0 < args.block <= args.iters or args.walked_iters < 1:
+        ap.error("--block must be between 1 and --iters, and --walked-iters at least 1")
     console = Console(stderr=True, width=150)
     console.print("[bold]bench_guard[/]: measuring the machine's anchors")
     result: dict[str, Any] = {"benchmark": "guard", "machine": describe_machine(), "runs": args.runs,
-                              "rounds": args.rounds, "iters": args.iters, "goal_ratio_at_10000": GOAL_RATIO,
+                              "rounds": args.rounds, "iters": args.iters, "block": args.block,
+                              "walked_iters": args.walked_iters, "goal_ratio_at_10000": GOAL_RATIO,
                               "worlds": []}  # fmt: skip
     table = Table(title="guarded path vs bare all-reduce: run 1's per-round medians, us; ratios median \\[min..max]")
     for col in ("ranks", "tensors", "bare", "cached", "walked", "tensor_set()", "cached/bare (rounds)",
@@ -186,7 +206,8 @@ def main() -> int:
                           f"at {args.tensors} tensors")  # fmt: skip
             t0 = time.perf_counter()
             outs = run_ranks(_rank, world, timeout_s=900, kwargs={"tensors": args.tensors, "rounds": args.rounds,
-                                                                  "iters": args.iters})  # fmt: skip
+                                                                  "iters": args.iters, "block": args.block,
+                                                                  "walked_iters": args.walked_iters})  # fmt: skip
             failed = [o for o in outs if not o.ok]
             if failed:
                 console.print(f"[red]ranks={world}: rank failures[/]: {[(o.rank, o.error) for o in failed]}")

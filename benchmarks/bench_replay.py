@@ -10,11 +10,17 @@ set at one guard, at 90 % of the run), so the analysis takes its slow path
 too and must find both. The files are written first, outside every timer,
 then ``os.sync()``; they are read from the page cache.
 
+Each file then gets the index its writer would leave at close
+(``miles_fsm.trace_index.write_index``, the CPU it costs recorded), and a
+second directory holds the same files, hard-linked, without indexes: the
+traces of ranks that crashed or hung before close.
+
 Each round measures, in this process, the CPU time (``time.process_time``)
 of ``miles_fsm.replay.replay(dir, workers=1)`` (listing, reading, folding,
-diagnosing) and of ``orjson.loads`` of every line of the same files, in
-alternating order; then the wall time of ``replay(dir)`` with its own
-choice of reader processes. The JSON holds the per-round ratio's spread.
+diagnosing) on both directories and of ``orjson.loads`` of every line of the
+same files, in rotating order; then the wall time of ``replay(dir)`` on both,
+with its own choice of reader processes. Both directories must give the
+same diagnosis. The JSON holds the per-round ratios' spread.
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import orjson
 from machine import describe_machine, ratio_spread, spread
 from rich.console import Console
 
-from miles_fsm import trace_fold
 from miles_fsm.states import DEFINITION, Strategy, Trigger, steps_for
 
 __all__ = ["write_synthetic"]
@@ -146,9 +151,14 @@ def naive_parse(root: Path) -> int:
     return n
 
 
-def _orjson_only(line: bytes) -> Any:
-    # Every line to orjson, as the reader read them before msgspec: the alternative measured beside it.
-    raise trace_fold.hot_errors[0]("orjson only")
+def write_indexes(root: Path, ranks: int) -> float:
+    """The index of every rank file, as each ``Tracer.close()`` writes it; the CPU seconds that took, in all."""
+    from miles_fsm.trace_index import write_index
+
+    c0 = time.process_time()
+    for r in range(ranks):
+        write_index(root / f"rank-{r}.jsonl", r)
+    return time.process_time() - c0
 
 
 def bench(ranks: int, transitions: int, workers: int | None, keep: Path | None, rounds: int,
@@ -158,50 +168,57 @@ def bench(ranks: int, transitions: int, workers: int | None, keep: Path | None, 
     root = Path(tempfile.mkdtemp(prefix=f"replay-bench-{ranks}-", dir=keep))
     try:
         t0 = time.perf_counter()
-        planted = write_synthetic(root, ranks=ranks, transitions=transitions)
+        planted = write_synthetic(root / "indexed", ranks=ranks, transitions=transitions)
         write_s = time.perf_counter() - t0
-        os.sync()  # no write-back competing with the reads being timed
         console.print(f"{ranks} ranks x {transitions} transitions: {planted['bytes'] / 1e9:.2f} GB written "
-                      f"in {write_s:.1f} s (not timed)")
-        naive_cpu, replay_cpu, orjson_cpu, replay_in_process_wall, replay_wall, naive_wall = [], [], [], [], [], []
+                      f"in {write_s:.1f} s (not timed); writing their indexes")  # fmt: skip
+        index_cpu = write_indexes(root / "indexed", ranks)
+        (root / "lines").mkdir()
+        for r in range(ranks):
+            os.link(root / "indexed" / f"rank-{r}.jsonl", root / "lines" / f"rank-{r}.jsonl")
+        os.sync()  # no write-back competing with the reads being timed
+        console.print(f"  indexes: {index_cpu:.1f} s CPU in all, {index_cpu / ranks * 1e3:.1f} ms per rank's close")
+        cpu: dict[str, list[float]] = {"naive": [], "indexed": [], "lines": []}
+        wall: dict[str, list[float]] = {"naive": [], "indexed": [], "lines": []}
         lines = 0
-        sides = ["naive", "replay", "orjson only"]
+        sides = list(cpu)
         for r in range(rounds):
             # Rotate the order, so no side always runs first or on a warmer page cache.
             for side in sides[r % 3:] + sides[: r % 3]:
                 c0, w0 = time.process_time(), time.perf_counter()
                 if side == "naive":
-                    lines = naive_parse(root)
-                    naive_cpu.append(time.process_time() - c0)
-                    naive_wall.append(time.perf_counter() - w0)
-                elif side == "replay":
-                    # In this process (workers=1): its CPU is all in process_time().
-                    d = replay(str(root), workers=1)
-                    replay_cpu.append(time.process_time() - c0)
-                    replay_in_process_wall.append(time.perf_counter() - w0)
+                    lines = naive_parse(root / "lines")
                 else:
-                    hot, trace_fold.decode_hot = trace_fold.decode_hot, _orjson_only
-                    try:
-                        d_orjson = replay(str(root), workers=1)
-                    finally:
-                        trace_fold.decode_hot = hot
-                    orjson_cpu.append(time.process_time() - c0)
-                    if d_orjson.to_json() != d.to_json():
-                        raise RuntimeError("the orjson-only reader and the msgspec reader disagree")
-            w0 = time.perf_counter()
-            replay(str(root), workers=workers)  # replay's own choice of reader processes: the wall time users see
-            replay_wall.append(time.perf_counter() - w0)
-            console.print(f"  round {r + 1}/{rounds}: replay CPU {replay_cpu[-1]:.2f} s vs naive parse CPU "
-                          f"{naive_cpu[-1]:.2f} s (ratio {replay_cpu[-1] / naive_cpu[-1]:.2f}; orjson-only reader "
-                          f"{orjson_cpu[-1]:.2f} s); replay wall "
-                          f"{replay_wall[-1]:.2f} s with default workers")
+                    # In this process (workers=1): its CPU is all in process_time().
+                    got = replay(str(root / side), workers=1)
+                    if side == "indexed":
+                        d = got
+                    else:
+                        d_lines = got
+                cpu[side].append(time.process_time() - c0)
+                wall[side].append(time.perf_counter() - w0)
+            # The same diagnosis, but for the directory's name in the files' paths.
+            if orjson.dumps(d.to_json()).replace(b"/indexed/", b"/") != \
+                    orjson.dumps(d_lines.to_json()).replace(b"/lines/", b"/"):  # fmt: skip
+                raise RuntimeError("replay from the indexes and replay from the lines disagree")
+            for side in ("indexed", "lines"):
+                w0 = time.perf_counter()
+                replay(str(root / side), workers=workers)  # replay's own choice of reader processes: what users see
+                wall[f"{side}_default_workers"] = [*wall.get(f"{side}_default_workers", []), time.perf_counter() - w0]
+            console.print(f"  round {r + 1}/{rounds}: CPU: naive parse {cpu['naive'][-1]:.2f} s, replay "
+                          f"{cpu['indexed'][-1]:.2f} s (ratio {cpu['indexed'][-1] / cpu['naive'][-1]:.2f}), without "
+                          f"indexes {cpu['lines'][-1]:.2f} s (ratio {cpu['lines'][-1] / cpu['naive'][-1]:.2f}); "
+                          f"wall with default workers {wall['indexed_default_workers'][-1]:.2f} s, without "
+                          f"indexes {wall['lines_default_workers'][-1]:.2f} s")  # fmt: skip
         # The whole command as a user runs it: interpreter start, imports, JSON out.
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "miles_fsm", "replay", str(root), "--json"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
-        cli_s = time.perf_counter() - t0
-        if proc.returncode != 3:
-            raise RuntimeError(f"miles-fsm replay exited {proc.returncode}: {proc.stderr.decode()[-500:]}")
+        cli_s: dict[str, float] = {}
+        for side in ("indexed", "lines"):
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "miles_fsm", "replay", str(root / side), "--json"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)  # fmt: skip
+            cli_s[side] = time.perf_counter() - t0
+            if proc.returncode != 3:
+                raise RuntimeError(f"miles-fsm replay exited {proc.returncode}: {proc.stderr.decode()[-500:]}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     strag = [s for s in d.stragglers if s["straggler"]]
@@ -224,25 +241,21 @@ def bench(ranks: int, transitions: int, workers: int | None, keep: Path | None, 
         "lines": lines,
         "bytes": planted["bytes"],
         "write_s": write_s,
-        "cpu_ratio": ratio_spread(replay_cpu, naive_cpu),
-        "replay_cpu_s": spread(replay_cpu),
-        "alternatives": {
-            "orjson_only_reader": {
-                "what": "the same reader with every parsed line read by orjson.loads (no msgspec): the reader "
-                        "before issue 18",
-                "cpu_s": spread(orjson_cpu),
-                "cpu_ratio_to_naive": ratio_spread(orjson_cpu, naive_cpu),
-                "cpu_ratio_msgspec_to_orjson_only": ratio_spread(replay_cpu, orjson_cpu),
-                "rounds_cpu_s": orjson_cpu,
-            },
-        },
-        "naive_parse_cpu_s": spread(naive_cpu),
-        "naive_parse_wall_s": spread(naive_wall),
-        "replay_in_process_wall_s": spread(replay_in_process_wall),
-        "replay_wall_s": spread(replay_wall),
+        "index_write_cpu_s": index_cpu,
+        "index_write_cpu_ms_per_rank": index_cpu / ranks * 1e3,
+        "cpu_ratio": ratio_spread(cpu["indexed"], cpu["naive"]),
+        "cpu_ratio_without_index": ratio_spread(cpu["lines"], cpu["naive"]),
+        "replay_cpu_s": spread(cpu["indexed"]),
+        "replay_without_index_cpu_s": spread(cpu["lines"]),
+        "naive_parse_cpu_s": spread(cpu["naive"]),
+        "naive_parse_wall_s": spread(wall["naive"]),
+        "replay_in_process_wall_s": spread(wall["indexed"]),
+        "replay_wall_s": spread(wall["indexed_default_workers"]),
+        "replay_without_index_wall_s": spread(wall["lines_default_workers"]),
         "replay_workers": workers,
-        "rounds_s": {"replay_cpu": replay_cpu, "naive_parse_cpu": naive_cpu, "replay_wall": replay_wall},
-        "cli_s": cli_s,
+        "rounds_s": {"cpu": cpu, "wall": wall},
+        "cli_s": cli_s["indexed"],
+        "cli_without_index_s": cli_s["lines"],
         "found": found,
         "found_what_was_planted": ok,
     }
@@ -262,16 +275,20 @@ def main(argv: list[str] | None = None) -> int:
     results = [bench(int(n), args.transitions, args.workers, args.dir, args.rounds, console)
                for n in args.ranks.split(",")]  # fmt: skip
     for r in results:
-        c = r["cpu_ratio"]
+        c, c0 = r["cpu_ratio"], r["cpu_ratio_without_index"]
         console.print(f"{r['ranks']} ranks: replay CPU / naive parse CPU {c['median']:.2f} (min {c['min']:.2f}, "
-                      f"max {c['max']:.2f}); replay wall {r['replay_wall_s']['median']:.2f} s; found planted "
-                      f"faults: {r['found_what_was_planted']}")
+                      f"max {c['max']:.2f}), without indexes {c0['median']:.2f}; replay wall "
+                      f"{r['replay_wall_s']['median']:.2f} s, without indexes "
+                      f"{r['replay_without_index_wall_s']['median']:.2f} s; found planted faults: "
+                      f"{r['found_what_was_planted']}")  # fmt: skip
     doc = {
         "benchmark": "replay analysis CPU and wall time vs a naive orjson parse of the same files",
         "machine": machine,
         "naive_side": "orjson.loads of every line of every rank file (iterating the file by lines), in this process",
-        "replay_side": "miles_fsm.replay.replay(dir, workers=1) in this process for CPU (time.process_time); "
-                       "replay(dir) with its default reader processes for wall time (workers' CPU not counted)",
+        "replay_side": "miles_fsm.replay.replay(dir, workers=1) in this process for CPU (time.process_time), on "
+                       "the files with the indexes their writers leave at close and on the same files without "
+                       "(ranks that never closed); replay(dir) with its default reader processes for wall time "
+                       "(workers' CPU not counted)",
         "goal": {"cpu_ratio_max": 0.5, "wall_s_max": 20.0},
         "results": results,
     }

@@ -1,7 +1,8 @@
 """Streaming reader of per-rank JSONL traces, folded into one compact summary per rank.
 
 A rank file is read in blocks and never held whole, and folded by
-``miles_fsm.trace_fold``. Ranks fold independently, so ``read_ranks`` can
+``miles_fsm.trace_fold``; a closed trace's fold is read from its index
+instead (``miles_fsm.trace_index``), while the index still matches it. Ranks fold independently, so ``read_ranks`` can
 spread them over processes. A file whose lines are not its records in
 ``seq`` order (shuffled, duplicated, another run's records) is folded again
 from its records sorted by ``seq`` (``miles_fsm.trace_order``): only a
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from miles_fsm.trace_files import blocks, default_workers
 from miles_fsm.trace_fold import fold
+from miles_fsm.trace_index import load_index
 from miles_fsm.trace_model import EpochRange, RankTrace, TraceDirError
 from miles_fsm.trace_order import in_seq_order
 
@@ -49,10 +51,23 @@ def _read_item(item: tuple[int, Path], epochs: EpochRange | None, run: str | Non
 
 
 def read_rank(
-    path: str | os.PathLike[str], rank: int, *, epochs: EpochRange | None = None, run: str | None = None
+    path: str | os.PathLike[str],
+    rank: int,
+    *,
+    epochs: EpochRange | None = None,
+    run: str | None = None,
+    use_index: bool = True,
 ) -> RankTrace:
-    """Fold one rank's trace file (only the records of ``run``, if given). Unreadable files raise ``TraceDirError``."""
+    """Fold one rank's trace file (only the records of ``run``, if given). Unreadable files raise ``TraceDirError``.
+
+    The fold of a whole trace comes from its index (``miles_fsm.trace_index``)
+    while the index still describes the file, unless ``use_index`` is False.
+    """
     path = Path(path)
+    if use_index and epochs is None and run is None:
+        indexed = load_index(path, rank)
+        if indexed is not None:
+            return indexed
     t = RankTrace(rank=rank, path=str(path))
     try:
         if not fold(t, blocks(path), path, epochs, run):

@@ -1,9 +1,10 @@
 """Per-rank JSONL traces, written through structlog and flushed per line.
 
 Each record is one ``os.write`` on an unbuffered file, so a SIGKILL loses at
-most the line being written. The records go through a structlog processor
-chain of our own, run as structlog runs it (one loop); the host
-application's structlog and logging configuration are never touched.
+most the line being written. A record takes the host's bound structlog
+context (structlog's ``merge_contextvars``), a seq and both clocks, and is
+rendered by orjson, inline in ``Tracer.emit``; the host application's
+structlog and logging configuration are never touched.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import secrets
 import socket
 import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,30 +26,15 @@ import structlog.contextvars
 
 from miles_fsm.errors import describe
 from miles_fsm.schema import SCHEMA_VERSION, TRACE_CLOSED, TRACE_OPENED
+from miles_fsm.trace_index import index_path
+from miles_fsm.trace_model import TraceDirError
 
-__all__ = ["NullTracer", "TraceSink", "Tracer", "new_run_id", "trace_path"]
+__all__ = ["NullTracer", "TraceIndexWarning", "TraceSink", "Tracer", "new_run_id", "trace_path"]
 
 
 def trace_path(trace_dir: str | os.PathLike[str], rank: int) -> Path:
     """Where rank ``rank`` writes its trace."""
     return Path(trace_dir) / f"rank-{rank}.jsonl"
-
-
-class RecordStamper:
-    """Stamps a per-rank, gap-free sequence number and both clocks on every record.
-
-    Monotonic ns order records within a rank; wall seconds are for humans.
-    One processor, not two: a processor call costs as much as the stamping.
-    """
-
-    def __init__(self) -> None:
-        self._next = itertools.count().__next__
-
-    def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
-        event_dict["seq"] = self._next()
-        event_dict["mono_ns"] = _monotonic_ns()
-        event_dict["wall"] = _time()
-        return event_dict
 
 
 _monotonic_ns, _time = time.monotonic_ns, time.time
@@ -79,28 +66,8 @@ def merge_host_context(logger: Any, name: str, event_dict: dict[str, Any]) -> di
 _STRUCTLOG_VARS: dict[str, Any] | None = getattr(structlog.contextvars, "_CONTEXT_VARS", None)
 
 
-class LineRenderer:
-    """Renders a record as one JSON line that starts with the rank's constant fields.
-
-    The constant fields (schema version, run, rank, world) are rendered once,
-    here; each record renders only its own fields after them. A record that
-    sets one of the constant fields itself is rendered whole, its value
-    winning, as a merged dict would have it.
-    """
-
-    def __init__(self, context: dict[str, Any]) -> None:
-        self._context = dict(context)
-        self._keys = tuple(context)
-        self._prefix = orjson.dumps(self._context, default=_default)[:-1] + b","
-
-    def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> bytes:
-        # The keys view looks up the few constant keys; a set would hash every key of the record.
-        if event_dict and event_dict.keys().isdisjoint(self._keys):
-            return self._prefix + orjson.dumps(event_dict, default=_default, option=_NEWLINE)[1:]
-        return orjson.dumps({**self._context, **event_dict}, default=_default, option=_NEWLINE)
-
-
 _NEWLINE = orjson.OPT_APPEND_NEWLINE
+_dumps = orjson.dumps
 
 
 class TraceSink(Protocol):
@@ -132,7 +99,9 @@ class Tracer:
     An existing file is renamed to ``rank-<r>.jsonl.<n>`` first, so a restart
     never mixes two runs in one file and never destroys the earlier one.
     ``run`` is stamped on every record: replay tells runs apart by it.
-    ``close()`` writes ``trace_closed``: a trace without it was cut off.
+    ``close()`` writes ``trace_closed`` (a trace without it was cut off),
+    then the trace's index beside it (``miles_fsm.trace_index``): its fold,
+    which replay reads instead of the lines while the file is unchanged.
     """
 
     enabled = True
@@ -152,15 +121,13 @@ class Tracer:
         # the file's line order equal to seq order.
         self._lock = threading.Lock()
         self._acquire, self._release = self._lock.acquire, self._lock.release
-        context = {"v": SCHEMA_VERSION, "run": self.run, "rank": rank, "world": world}
-        # structlog's pipeline as one loop over its processors, without a bound
-        # logger around it: the wrapper's own work (level filtering, context
-        # copies, proxying) cost more than the processors and the write together.
-        # The last processor renders the whole line, newline included.
-        self._processors = (RecordStamper(), LineRenderer(context))
-        # While the host has bound no structlog context there is nothing to merge: the
-        # check is one global lookup, the processor call it saves costs more.
-        self._with_host_context = (merge_host_context, *self._processors)
+        self._rank = rank
+        # Each line starts with the rank's constant fields, rendered once, here;
+        # a record renders only its own fields after them.
+        self._context = {"v": SCHEMA_VERSION, "run": self.run, "rank": rank, "world": world}
+        self._prefix = orjson.dumps(self._context, default=_default)[:-1] + b","
+        # Per-rank and gap-free: replay finds a lost line by the gap.
+        self._next_seq = itertools.count().__next__
         self._fd = self._file.fileno()
         self.emit(
             TRACE_OPENED,
@@ -174,17 +141,31 @@ class Tracer:
         )
 
     def emit(self, event: str, **fields: Any) -> None:
-        # ``fields`` is this call's own dict: the processors add to it, nothing else holds it.
+        """Write one record: ``fields``, the host's bound structlog context, a seq and both clocks.
+
+        The chain is structlog's, run inline: a bound logger's own work (level
+        filtering, context copies, proxying) and a loop over processor calls
+        cost more than the stamping, the rendering and the write together.
+        """
+        # ``fields`` is this call's own dict: the stamps go into it, nothing else holds it.
         fields["event"] = event
-        event_dict: Any = fields
         host = _STRUCTLOG_VARS
-        processors = self._processors if host is not None and not host else self._with_host_context
+        if host is None or host:
+            fields = merge_host_context(None, "info", fields)
         # acquire/release rather than ``with``: half the cost on CPython 3.11, as safe under try/finally.
         self._acquire()
         try:
-            for proc in processors:
-                event_dict = proc(None, "info", event_dict)
-            _write(self._fd, event_dict)
+            # Monotonic ns order records within a rank; wall seconds are for humans.
+            fields["seq"] = self._next_seq()
+            fields["mono_ns"] = _monotonic_ns()
+            fields["wall"] = _time()
+            # Four lookups written out cost half of ``keys().isdisjoint``, the next best.
+            if "v" in fields or "run" in fields or "rank" in fields or "world" in fields:
+                # A record that sets a constant field itself wins, as a merged dict would have it.
+                line = _dumps({**self._context, **fields}, default=_default, option=_NEWLINE)
+            else:
+                line = self._prefix + _dumps(fields, default=_default, option=_NEWLINE)[1:]
+            _write(self._fd, line)
         finally:
             self._release()
 
@@ -200,6 +181,23 @@ class Tracer:
             # A later emit must fail, never write to whatever file reuses the descriptor number.
             self._fd = -1
             self._finalizer()
+        from miles_fsm.trace_index import write_index  # the reader's modules, needed at close only
+
+        try:
+            write_index(self.path, self._rank)
+        except (OSError, TraceDirError) as exc:
+            # The trace is whole either way; without its index replay reads its lines, only slower.
+            warnings.warn(TraceIndexWarning(self.path, exc), stacklevel=2)
+
+
+class TraceIndexWarning(UserWarning):
+    """A closed trace's index could not be written: replay will read the trace's lines instead."""
+
+    def __init__(self, trace: Path, cause: BaseException) -> None:
+        self.trace = str(trace)
+        self.cause = cause
+        super().__init__(f"{trace}: its index was not written ({cause}); the trace is complete, and "
+                         "`miles-fsm replay` reads it from its lines, only slower")  # fmt: skip
 
 
 _write = os.write
@@ -211,11 +209,16 @@ def new_run_id() -> str:
 
 
 def _rotate(path: Path) -> Path | None:
+    # An index describes the file it lies beside; it moves with it, and one left behind is stale.
+    index = index_path(path)
     if not path.exists() or path.stat().st_size == 0:
+        index.unlink(missing_ok=True)
         return None
     for n in itertools.count(1):
         target = path.with_name(f"{path.name}.{n}")
         if not target.exists():
             path.rename(target)
+            if index.exists():
+                index.rename(index_path(target))
             return target
     raise AssertionError("unreachable")  # pragma: no cover

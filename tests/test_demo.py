@@ -265,9 +265,12 @@ def test_a_reused_trace_dir_holds_this_run_only(tmp_path, capsys, assert_no_left
     out = capsys.readouterr().out
     assert re.findall(r"^step (\d+)/2: verified", out, re.M) == ["1", "2"], out
     assert "moved the rank traces of earlier runs to " in out
-    assert sorted(p.name for p in tmp_path.glob("rank-*")) == ["rank-0.jsonl", "rank-1.jsonl"]
+    # Each closed trace has its index beside it, and an earlier trace's index moves with it.
+    assert sorted(p.name for p in tmp_path.glob("rank-*")) == [
+        "rank-0.jsonl", "rank-0.jsonl.index", "rank-1.jsonl", "rank-1.jsonl.index"]  # fmt: skip
     [earlier] = (tmp_path / "earlier-runs").iterdir()
-    assert sorted(p.name for p in earlier.iterdir()) == ["rank-0.jsonl", "rank-1.jsonl", "rank-2.jsonl"]
+    assert sorted(p.name for p in earlier.iterdir()) == [
+        f"rank-{r}.jsonl{suffix}" for r in range(3) for suffix in ("", ".index")]  # fmt: skip
     assert len({r["run"] for rank in (0, 1) for r in _records(tmp_path, rank)}) == 1
     assert main(["replay", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("OK: 2 rank(s)")

@@ -1,0 +1,208 @@
+"""The index beside a closed trace: the trace's fold, written once by its writer, read instead of the lines.
+
+``Tracer.close()`` folds its own file (``miles_fsm.trace_reader``) and
+writes the result to ``rank-<r>.jsonl.index``, with the trace's size and
+SHA-256 and a fingerprint of the reader that folded it. Replay uses an
+index only while all of it still holds: same size, same hash (so a trace
+cut, appended to or flipped in place after close is read from its lines,
+and its damage reported as ever), same reader code, same rank, and no
+``--epoch`` or ``--run`` filter (the index is the unfiltered fold). Hashing
+costs a small part of parsing the lines. Anything else (no index, another
+version, an unreadable or damaged index) folds the lines: the trace is
+the truth, the index only saves reading it, so a rank that crashed or hung
+before close is read as before.
+
+The index is msgpack (msgspec): plain data, decoded without running code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from array import array
+from dataclasses import fields
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from miles_fsm.trace_model import BadLine, Duplicate, Illegal, MachineTable, Note, Position, RankTrace
+
+__all__ = ["index_path", "load_index", "write_index"]
+
+_FORMAT = 1
+_SUFFIX = ".index"
+_ARRAYS = ("epochs", "sigs", "guards", "work_s")
+_RECORDS: dict[str, type] = {"duplicates": Duplicate, "bad": BadLine, "notes": Note, "illegal": Illegal}
+_OPTIONAL: dict[str, type] = {"truncated": BadLine, "open": Position}
+# The modules whose code decides what a fold holds: an index folded by other code is not used.
+_READER_MODULES = ("trace_reader", "trace_fold", "trace_hot", "trace_order", "trace_checks", "trace_model",
+                   "trace_files", "trace_index")  # fmt: skip
+
+
+class _Index(msgspec.Struct, forbid_unknown_fields=True):
+    format: int
+    reader: str
+    rank: int
+    size: int
+    sha256: str
+    trace: dict[str, Any]
+
+
+_decode = msgspec.msgpack.Decoder(_Index).decode
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def index_path(trace: str | os.PathLike[str]) -> Path:
+    """Where the index of ``trace`` lies: beside it, ``<name>.index``."""
+    trace = Path(trace)
+    return trace.with_name(trace.name + _SUFFIX)
+
+
+def write_index(trace: str | os.PathLike[str], rank: int) -> Path:
+    """Fold the (closed) trace and write its index beside it, atomically; returns the index's path.
+
+    Raises ``TraceDirError`` when the trace cannot be read and ``OSError``
+    when the index cannot be written (no partial index is left behind).
+    """
+    from miles_fsm.trace_reader import read_rank  # the reader imports this module
+
+    trace = Path(trace)
+    size, digest = _digest(trace)
+    folded = read_rank(trace, rank, use_index=False)
+    doc = _Index(format=_FORMAT, reader=reader_fingerprint(), rank=rank, size=size, sha256=digest,
+                 trace=_to_wire(folded))  # fmt: skip
+    target = index_path(trace)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(_encode(doc))
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
+
+
+def load_index(trace: str | os.PathLike[str], rank: int) -> RankTrace | None:
+    """The fold the index of ``trace`` holds, or None when there is none that still describes the trace."""
+    trace = Path(trace)
+    try:
+        raw = index_path(trace).read_bytes()
+    except OSError:
+        return None  # no index (or none readable): the lines are read instead, which is never wrong
+    try:
+        doc = _decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None  # a damaged or foreign index is as good as none
+    if doc.format != _FORMAT or doc.rank != rank or doc.reader != reader_fingerprint():
+        return None
+    try:
+        if trace.stat().st_size != doc.size or _digest(trace) != (doc.size, doc.sha256):
+            return None
+    except OSError:
+        return None  # the fold of the lines reports an unreadable trace properly
+    try:
+        return _from_wire(doc.trace, str(trace))
+    except (KeyError, TypeError, ValueError):
+        return None  # written by this reader, so never expected; the lines still say it all
+
+
+@cache
+def reader_fingerprint() -> str:
+    """SHA-256 of the reader's source files (the package version where they cannot be read)."""
+    h = hashlib.sha256()
+    for name in _READER_MODULES:
+        spec = importlib.util.find_spec(f"miles_fsm.{name}")
+        origin = spec.origin if spec is not None else None
+        try:
+            h.update(Path(origin).read_bytes() if origin else b"")
+        except OSError:
+            from miles_fsm import __version__
+
+            return f"version:{__version__}"
+    return h.hexdigest()
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    with open(path, "rb") as f:
+        h = hashlib.file_digest(f, "sha256")
+        return f.tell(), h.hexdigest()
+
+
+def _to_wire(t: RankTrace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(RankTrace):
+        v = getattr(t, f.name)
+        if f.name in _ARRAYS:
+            v = [v.typecode, v.itemsize, v.tobytes()]
+        elif f.name == "outcome":
+            v = bytes(v)
+        elif f.name in _RECORDS:
+            v = [_record(x) for x in v]
+        elif f.name in _OPTIONAL:
+            v = None if v is None else _record(v)
+        elif f.name == "runs":
+            v = list(v.items())  # a run may be None, which msgpack keys need not support
+        elif f.name == "table":
+            v = (
+                None
+                if v is None
+                else [
+                    v.initial,
+                    v.failed,
+                    sorted(v.cycle_states),
+                    [[s, trig, d, list(steps)] for (s, trig), (d, steps) in v.arrows.items()],
+                ]
+            )
+        elif f.name == "sig_table":
+            v = [[trig, src, dest, list(steps)] for trig, src, dest, steps in v]
+        elif f.name == "guard_table":
+            v = [[key, list(cols), tensors] for key, cols, tensors in v]
+        out[f.name] = v
+    return out
+
+
+def _from_wire(w: dict[str, Any], path: str) -> RankTrace:
+    kw: dict[str, Any] = {}
+    for f in fields(RankTrace):
+        v = w[f.name]
+        if f.name in _ARRAYS:
+            typecode, itemsize, data = v
+            a = array(typecode)
+            if a.itemsize != itemsize:
+                raise ValueError("written where a C long has another size")
+            a.frombytes(data)
+            v = a
+        elif f.name == "outcome":
+            v = bytearray(v)
+        elif f.name in _RECORDS:
+            v = [_RECORDS[f.name](**x) for x in v]
+        elif f.name in _OPTIONAL:
+            v = None if v is None else _OPTIONAL[f.name](**v)
+        elif f.name == "runs":
+            v = {run: n for run, n in v}
+        elif f.name == "table":
+            v = None if v is None else MachineTable(
+                initial=v[0], failed=v[1], cycle_states=frozenset(v[2]),
+                arrows={(s, trig): (d, tuple(steps)) for s, trig, d, steps in v[3]})  # fmt: skip
+        elif f.name == "sig_table":
+            v = [(trig, src, dest, tuple(steps)) for trig, src, dest, steps in v]
+        elif f.name == "guard_table":
+            v = [(key, tuple(cols), tensors) for key, cols, tensors in v]
+        kw[f.name] = v
+    kw["path"] = path  # where the trace is now, not where its writer had it
+    t = RankTrace(**kw)
+    if t.bad or t.truncated is not None:
+        t.bad = [_moved(b, path) for b in t.bad]
+        t.truncated = None if t.truncated is None else _moved(t.truncated, path)
+    return t
+
+
+def _record(x: Any) -> dict[str, Any]:
+    return {f.name: getattr(x, f.name) for f in fields(x)}
+
+
+def _moved(b: BadLine, path: str) -> BadLine:
+    return BadLine(path=path, line=b.line, reason=b.reason, text=b.text)
