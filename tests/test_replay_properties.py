@@ -148,7 +148,7 @@ def test_damaged_traces_never_crash_and_ok_means_healthy(capsys, world, cycles, 
     fault=st.sampled_from([None, "diverge", "stop"]),
     damages=st.lists(damage, max_size=2),
 )
-# Damage that keeps a file's size (a shuffle): only the hash tells the index is stale.
+# Damage that keeps a file's size (a shuffle): only the CRC tells the index is stale.
 @example(world=2, fault=None, damages=[("shuffle", 1)])
 def test_an_index_never_changes_what_replay_says(capsys, world, fault, damages):
     """Indexes written at close, then any damage: replay says exactly what it says from the lines alone."""

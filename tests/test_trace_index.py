@@ -23,7 +23,7 @@ def _replay(capsys, root: Path, *extra: str) -> tuple[int, dict]:
 
 
 def _tamper(trace: Path, **changes) -> None:
-    """Rewrite the index's fold with ``changes``, keeping the hash of the (unchanged) trace: a lying index."""
+    """Rewrite the index's fold with ``changes``, keeping the CRC of the (unchanged) trace: a lying index."""
     doc = msgspec.msgpack.decode(index_path(trace).read_bytes())
     doc["trace"].update(changes)
     index_path(trace).write_bytes(msgspec.msgpack.encode(doc))
@@ -46,7 +46,7 @@ def test_a_closed_trace_leaves_an_index_that_replay_reads_instead_of_the_lines(t
     indexed = load_index(trace, 0)
     assert indexed is not None and indexed.path == str(trace)
     assert (indexed.positions, bytes(indexed.outcome), indexed.clean) == (1, b"F", True)
-    # Proof that replay takes the index and not the lines: a lying index (with the trace's true hash) is believed.
+    # Proof that replay takes the index and not the lines: a lying index (with the trace's true CRC) is believed.
     _tamper(trace, verified=7)
     assert read_rank(trace, 0).verified == 7
     # ... but not for a filtered read, which the unfiltered fold in the index cannot answer.
@@ -61,7 +61,7 @@ def test_a_trace_changed_after_close_is_read_from_its_lines_and_its_damage_repor
     assert (code, before["verdict"]) == (0, "ok")
     trace = tmp_path / "rank-1.jsonl"
     data = trace.read_bytes()
-    if damage == "flip":  # same size, one byte changed in place: only the hash sees it
+    if damage == "flip":  # same size, one byte changed in place: only the CRC sees it
         i = data.index(b'"event":"guard_entered"')
         data = data[:i] + b"X" + data[i + 1 :]
     elif damage == "truncate":
