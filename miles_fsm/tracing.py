@@ -118,8 +118,10 @@ class Tracer:
         # A lifecycle dropped without close() still closes its trace quietly.
         self._finalizer = weakref.finalize(self, self._file.close)
         # The async API writes from the event-loop thread too: one lock keeps
-        # the file's line order equal to seq order.
-        self._lock = threading.Lock()
+        # the file's line order equal to seq order. Reentrant, so close() holds it
+        # from its trace_closed to the descriptor's end: nothing lands after that
+        # line (an RLock costs what a Lock does here).
+        self._lock = threading.RLock()
         self._acquire, self._release = self._lock.acquire, self._lock.release
         self._rank = rank
         # Each line starts with the rank's constant fields, rendered once, here;
@@ -176,8 +178,10 @@ class Tracer:
         record: dict[str, Any] = {"clean": error is None}
         if error is not None:
             record.update(describe(error))
-        self.emit(TRACE_CLOSED, epoch=epoch, state=state, trigger=None, **record)
         with self._lock:
+            if not self._finalizer.alive:
+                return  # another thread closed it meanwhile
+            self.emit(TRACE_CLOSED, epoch=epoch, state=state, trigger=None, **record)
             # A later emit must fail, never write to whatever file reuses the descriptor number.
             self._fd = -1
             self._finalizer()

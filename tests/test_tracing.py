@@ -139,3 +139,33 @@ def test_emit_after_close_fails_and_writes_nowhere(tmp_path):
     with open(other, "wb", buffering=0), pytest.raises(OSError):
         tracer.emit("late", epoch=0, state=None, trigger=None)
     assert other.read_bytes() == b""
+
+
+def test_trace_closed_is_the_last_line_while_another_thread_writes(tmp_path):
+    """close() from one thread (a launcher-lost callback) while another emits: nothing lands after trace_closed,
+    and the writer's next record fails instead (found by the demo's SIGKILL test under load)."""
+    import threading
+
+    import orjson
+
+    for attempt in range(20):
+        tracer = Tracer(tmp_path / str(attempt), rank=0, world=1, run="r")
+        started, failed = threading.Event(), []
+
+        def write() -> None:
+            started.set()
+            try:
+                while True:
+                    tracer.emit("action_started", epoch=1, state="TRAINING", trigger="offload", action="x")
+            except OSError as exc:
+                failed.append(exc)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        started.wait()
+        tracer.close()
+        writer.join(timeout=10)
+        assert not writer.is_alive() and failed
+        records = [orjson.loads(x) for x in tracer.path.read_bytes().splitlines()]
+        assert records[-1]["event"] == "trace_closed", records[-1]
+        assert [r["seq"] for r in records] == list(range(len(records)))
