@@ -13,8 +13,8 @@ so a rank that crashed or hung before close is read as before.
 
 The CRC guards against accidents (a copy cut short, an edit, a flipped
 bit), not against an adversary: whoever can rewrite a trace can rewrite its
-index too. It runs at several GB/s, where SHA-256 would cost three times as
-much and most of an indexed replay.
+index too. It runs at several GB/s; SHA-256 would cost several times as
+much, most of an indexed replay.
 
 The index is msgpack (msgspec): plain data, decoded without running code.
 """
@@ -77,7 +77,7 @@ def write_index(trace: str | os.PathLike[str], rank: int) -> Path:
     trace = Path(trace)
     size, crc = _checksum(trace)
     folded = read_rank(trace, rank, use_index=False)
-    doc = _Index(format=_FORMAT, reader=reader_fingerprint(), rank=rank, size=size, crc32=crc,
+    doc = _Index(format=_FORMAT, reader=_reader_fingerprint(), rank=rank, size=size, crc32=crc,
                  trace=_to_wire(folded))  # fmt: skip
     target = index_path(trace)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -101,7 +101,7 @@ def load_index(trace: str | os.PathLike[str], rank: int) -> RankTrace | None:
         doc = _decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None  # a damaged or foreign index is as good as none
-    if doc.format != _FORMAT or doc.rank != rank or doc.reader != reader_fingerprint():
+    if doc.format != _FORMAT or doc.rank != rank or doc.reader != _reader_fingerprint():
         return None
     try:
         if trace.stat().st_size != doc.size or _checksum(trace) != (doc.size, doc.crc32):
@@ -115,7 +115,7 @@ def load_index(trace: str | os.PathLike[str], rank: int) -> RankTrace | None:
 
 
 @cache
-def reader_fingerprint() -> str:
+def _reader_fingerprint() -> str:
     """SHA-256 of the reader's source files (the package version where they cannot be read)."""
     h = hashlib.sha256()
     for name in _READER_MODULES:
@@ -157,16 +157,7 @@ def _to_wire(t: RankTrace) -> dict[str, Any]:
         elif f.name == "runs":
             v = list(v.items())  # a run may be None, which msgpack keys need not support
         elif f.name == "table":
-            v = (
-                None
-                if v is None
-                else [
-                    v.initial,
-                    v.failed,
-                    sorted(v.cycle_states),
-                    [[s, trig, d, list(steps)] for (s, trig), (d, steps) in v.arrows.items()],
-                ]
-            )
+            v = None if v is None else _table(v)
         elif f.name == "sig_table":
             v = [[trig, src, dest, list(steps)] for trig, src, dest, steps in v]
         elif f.name == "guard_table":
@@ -195,9 +186,7 @@ def _from_wire(w: dict[str, Any], path: str) -> RankTrace:
         elif f.name == "runs":
             v = {run: n for run, n in v}
         elif f.name == "table":
-            v = None if v is None else MachineTable(
-                initial=v[0], failed=v[1], cycle_states=frozenset(v[2]),
-                arrows={(s, trig): (d, tuple(steps)) for s, trig, d, steps in v[3]})  # fmt: skip
+            v = None if v is None else _machine_table(v)
         elif f.name == "sig_table":
             v = [(trig, src, dest, tuple(steps)) for trig, src, dest, steps in v]
         elif f.name == "guard_table":
@@ -209,6 +198,17 @@ def _from_wire(w: dict[str, Any], path: str) -> RankTrace:
         t.bad = [_moved(b, path) for b in t.bad]
         t.truncated = None if t.truncated is None else _moved(t.truncated, path)
     return t
+
+
+def _table(t: MachineTable) -> list[Any]:
+    arrows = [[src, trig, dest, list(steps)] for (src, trig), (dest, steps) in t.arrows.items()]
+    return [t.initial, t.failed, sorted(t.cycle_states), arrows]
+
+
+def _machine_table(w: list[Any]) -> MachineTable:
+    initial, failed, cycle_states, arrows = w
+    return MachineTable(initial=initial, failed=failed, cycle_states=frozenset(cycle_states),
+                        arrows={(src, trig): (dest, tuple(steps)) for src, trig, dest, steps in arrows})  # fmt: skip
 
 
 def _columns(table: list[tuple[Any, ...]]) -> list[Any]:

@@ -2,8 +2,8 @@
 
 A rank file is read in blocks and never held whole, and folded by
 ``miles_fsm.trace_fold``; a closed trace's fold is read from its index
-instead (``miles_fsm.trace_index``), while the index still matches it. Ranks fold independently, so ``read_ranks`` can
-spread them over processes. A file whose lines are not its records in
+instead (``miles_fsm.trace_index``), while the index still matches it.
+Ranks fold independently, so ``read_ranks`` can spread them over processes. A file whose lines are not its records in
 ``seq`` order (shuffled, duplicated, another run's records) is folded again
 from its records sorted by ``seq`` (``miles_fsm.trace_order``): only a
 damaged file pays for that.

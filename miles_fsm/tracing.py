@@ -26,7 +26,7 @@ import structlog.contextvars
 
 from miles_fsm.errors import describe
 from miles_fsm.schema import SCHEMA_VERSION, TRACE_CLOSED, TRACE_OPENED
-from miles_fsm.trace_index import index_path
+from miles_fsm.trace_index import index_path, write_index
 from miles_fsm.trace_model import TraceDirError
 
 __all__ = ["NullTracer", "TraceIndexWarning", "TraceSink", "Tracer", "new_run_id", "trace_path"]
@@ -185,8 +185,6 @@ class Tracer:
             # A later emit must fail, never write to whatever file reuses the descriptor number.
             self._fd = -1
             self._finalizer()
-        from miles_fsm.trace_index import write_index  # the reader's modules, needed at close only
-
         try:
             write_index(self.path, self._rank)
         except (OSError, TraceDirError) as exc:
