@@ -108,8 +108,10 @@ def fold(
     last_action = b""
     # Every action line so far. They are only counted, so a copy of one would make up for a lost one
     # and the count would still add up; no two records share a seq, so a line seen twice sends the
-    # file to the sorted reader, which drops the exact copy and then sees the gap.
-    seen_actions: set[bytes] = set()
+    # file to the sorted reader, which drops the exact copy and then sees the gap. Their hashes, not
+    # the lines, keep a long trace's fold small (a writer folds its own at close): two lines that share
+    # one (a copy, or about once in 2**64 a collision) go to the sorted reader, which compares lines.
+    seen_actions: set[int] = set()
     last_parsed_line = 0
     first_rec: dict[str, Any] | None = None
     last_raw = b""  # the last record's line, parsed once, at the end
@@ -149,9 +151,10 @@ def fold(
             lineno += 1
             # Action records are most of a trace; only the last one is ever needed.
             if complete and line.rfind(action) >= 0 and line[-1:] == b"}":
-                if line in seen_actions:
+                h = hash(line)
+                if h in seen_actions:
                     return False
-                seen_actions.add(line)
+                seen_actions.add(h)
                 last_action_line = lineno
                 last_action = line
                 continue
