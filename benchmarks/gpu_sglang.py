@@ -852,7 +852,19 @@ def _machine() -> dict[str, Any]:
         "sglang_kernel": v("sglang-kernel"),
         "torch_memory_saver": v("torch_memory_saver"),
         "miles_fsm": v("miles-fsm"),
+        "anchors": _anchors(),
     }
+
+
+def _anchors() -> dict[str, Any]:
+    """This machine's speed, measured in the same run before any server takes the GPU: one core's SHA-256, a
+    plain trace-sized write, and pinned host<->device copies (the figures here are read against these)."""
+    from lifecycle.limits import pinned_limits
+    from machine import plain_write_us, sha256_core_MBps
+
+    pinned = pinned_limits(1 << 30, repeats=3)
+    return {"sha256_core_MBps": sha256_core_MBps(), "plain_write_us": plain_write_us(),
+            "pinned_h2d_GBps": pinned["h2d_GBps"], "pinned_d2h_GBps": pinned["d2h_GBps"]}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
