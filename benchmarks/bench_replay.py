@@ -179,7 +179,8 @@ def bench(ranks: int, transitions: int, workers: int | None, keep: Path | None, 
         os.sync()  # no write-back competing with the reads being timed
         console.print(f"  indexes: {index_cpu:.1f} s CPU in all, {index_cpu / ranks * 1e3:.1f} ms per rank's close")
         cpu: dict[str, list[float]] = {"naive": [], "indexed": [], "lines": []}
-        wall: dict[str, list[float]] = {"naive": [], "indexed": [], "lines": []}
+        wall: dict[str, list[float]] = {side: [] for side in (*cpu, "indexed_default_workers",
+                                                              "lines_default_workers")}  # fmt: skip
         lines = 0
         sides = list(cpu)
         for r in range(rounds):
@@ -204,7 +205,7 @@ def bench(ranks: int, transitions: int, workers: int | None, keep: Path | None, 
             for side in ("indexed", "lines"):
                 w0 = time.perf_counter()
                 replay(str(root / side), workers=workers)  # replay's own choice of reader processes: what users see
-                wall[f"{side}_default_workers"] = [*wall.get(f"{side}_default_workers", []), time.perf_counter() - w0]
+                wall[f"{side}_default_workers"].append(time.perf_counter() - w0)
             console.print(f"  round {r + 1}/{rounds}: CPU: naive parse {cpu['naive'][-1]:.2f} s, replay "
                           f"{cpu['indexed'][-1]:.2f} s (ratio {cpu['indexed'][-1] / cpu['naive'][-1]:.2f}), without "
                           f"indexes {cpu['lines'][-1]:.2f} s (ratio {cpu['lines'][-1] / cpu['naive'][-1]:.2f}); "

@@ -123,7 +123,6 @@ class Tracer:
         # line (an RLock costs what a Lock does here).
         self._lock = threading.RLock()
         self._acquire, self._release = self._lock.acquire, self._lock.release
-        self._rank = rank
         # Each line starts with the rank's constant fields, rendered once, here;
         # a record renders only its own fields after them.
         self._context = {"v": SCHEMA_VERSION, "run": self.run, "rank": rank, "world": world}
@@ -186,7 +185,7 @@ class Tracer:
             self._fd = -1
             self._finalizer()
         try:
-            write_index(self.path, self._rank)
+            write_index(self.path, self._context["rank"])
         except (OSError, TraceDirError) as exc:
             # The trace is whole either way; without its index replay reads its lines, only slower.
             warnings.warn(TraceIndexWarning(self.path, exc), stacklevel=2)

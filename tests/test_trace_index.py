@@ -114,7 +114,7 @@ def test_a_stale_index_beside_an_empty_trace_is_removed(tmp_path):
     assert load_index(tracer.path, 0).run == "r"
 
 
-def test_an_index_that_cannot_be_written_warns_and_the_trace_stays_whole(tmp_path, capsys):
+def test_an_index_that_cannot_be_written_warns_and_the_trace_stays_whole(tmp_path):
     tracer = Tracer(tmp_path, rank=0, world=1, run="r")
     index_path(tracer.path).mkdir()  # the index's name is taken by a directory: the rename fails
     with pytest.warns(TraceIndexWarning, match="its index was not written") as caught:
