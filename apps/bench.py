@@ -62,10 +62,10 @@ def add_parser(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    bench = _bench()
-    if bench is None:
-        return _no_checkout()
-    return int(bench.main(argv))
+    """``python -m miles_fsm.apps.bench [flags]``: the same as ``miles-fsm bench [flags]``, usage errors included."""
+    from miles_fsm.apps.cli import main as cli
+
+    return cli(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -123,5 +123,5 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _usage_error(args: argparse.Namespace, message: str) -> NoReturn:
-    """One line on stderr and exit 2, before any process starts."""
-    args._parser.exit(2, f"miles-fsm demo: error: {message}\n")
+    """One line on stderr and exit 2, before any process starts (the parser's own one-line error)."""
+    args._parser.error(message)
