@@ -52,6 +52,7 @@ def guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
                     "missing": set(),
                     "field": fields.get("field"),
                     "culprits": fields.get("culprits"),
+                    "how": fields.get("how"),
                     "groups": fields.get("groups"),
                     "detail": fields.get("detail"),
                     "message": first_line(rec.get("message") or ""),

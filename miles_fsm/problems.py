@@ -56,6 +56,9 @@ class Problem:
     transition: str | None
     headline: str
     consequence: bool = False
+    #: False when the evidence does not single the culprits out (a tie, an undecided split): they are
+    #: suspects only, and the verdict's ``culprit`` names nobody.
+    decided: bool = True
 
 
 def divergence_problems(
@@ -72,6 +75,7 @@ def divergence_problems(
                 epoch=divergence["epoch"],
                 transition=divergence["transition"],
                 headline=divergence["summary"],
+                decided=divergence["decided"],
             )
         )
     if illegal:
@@ -91,6 +95,7 @@ def divergence_problems(
     for g in guard_failures:
         if g["error"] == "RankDivergenceError" and divergence is None:
             culprits = tuple(g["culprits"] or ())
+            decided = bool(culprits) and g.get("how") == "changed"
             problems.append(
                 Problem(
                     verdict=Verdict.DIVERGENCE,
@@ -99,7 +104,9 @@ def divergence_problems(
                     epoch=g["epoch"],
                     transition=g["transition"],
                     headline=f"the guard of {g['transition']} (epoch {g['epoch']}) found ranks disagreeing on "
-                    f"{g.get('field')}; suspect {plural_ranks(list(culprits)) if culprits else 'unknown'}",
+                    f"{g.get('field')}; suspect {plural_ranks(list(culprits)) if culprits else 'unknown'}"
+                    + ("" if decided else " (the guard's evidence does not decide between them)"),
+                    decided=decided,
                 )
             )
     return problems
@@ -200,6 +207,7 @@ def corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]]
     failed = sorted({v["rank"] for v in firsts})
     tensors = sorted({n for v in firsts for n in v["tensors"]})
     v0 = firsts[0]
+    decided = True
     named = Counter(c for loc in located if loc["position"] >= first_pos - 1 for c in loc["culprits"])
     if named:
         top = max(named.values())
@@ -218,6 +226,7 @@ def corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]]
             why = ""
             if len(failed) > 1:
                 why = "; every rank saw the same mismatch, so the traces do not say whose data was wrong"
+                decided = False
     return Problem(
         verdict=Verdict.CORRUPT,
         position=first_pos,
@@ -226,6 +235,7 @@ def corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]]
         transition=v0["transition"],
         headline=f"verification failed on {plural_ranks(failed)} in {v0['transition']} (epoch {v0['epoch']}, "
         f"{v0['where']}): {_names(tensors)} changed{why}",
+        decided=decided,
     )
 
 
