@@ -17,7 +17,7 @@ from typing import Any
 from miles_fsm.blame import suspects
 from miles_fsm.ranks import plural_ranks, rank_ranges
 from miles_fsm.schema import GUARD_FAILED, error_fields
-from miles_fsm.trace_model import RankTrace
+from miles_fsm.trace_model import CANCELLED, RankTrace
 
 #: Intent fields, in the order a divergence names the first that differs.
 _FIELDS = (
@@ -50,6 +50,14 @@ def _global(traces: Sequence[RankTrace]) -> tuple[list[Any], list[Any]]:
         else:
             m = [guard_ids.setdefault(g, len(guard_ids)) for g in t.guard_table]
             guards.append(t.guards if m == list(range(len(m))) else [-1 if i < 0 else m[i] for i in t.guards])
+    # A transition cancelled before its guard never ran one: its guard is unknown, not "unguarded" (the
+    # reader's fold records it as skipped). Its peers' guard is no disagreement with it.
+    for k, t in enumerate(traces):
+        cancelled = [i for i, code in enumerate(t.outcome) if code == CANCELLED[0]]
+        if cancelled:
+            guards[k] = g = list(guards[k])
+            for i in cancelled:
+                g[i] = -1
     return sigs, guards
 
 

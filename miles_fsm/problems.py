@@ -39,12 +39,15 @@ class Verdict:
     DIVERGENCE = "divergence"
     STUCK = "stuck"
     CRASHED = "crashed"
+    #: A rank abandoned a transition before its guard (an async cancellation) while its peers waited there.
+    CANCELLED = "cancelled"
     CORRUPT = "corrupt"
     INCOMPLETE = "incomplete"
 
 
 #: When problems tie on position, the cause comes first.
-RANK = {Verdict.DIVERGENCE: 0, Verdict.CORRUPT: 1, Verdict.CRASHED: 2, Verdict.STUCK: 3, Verdict.INCOMPLETE: 4}
+RANK = {Verdict.DIVERGENCE: 0, Verdict.CORRUPT: 1, Verdict.CANCELLED: 2, Verdict.CRASHED: 3, Verdict.STUCK: 4,
+        Verdict.INCOMPLETE: 5}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,22 +171,35 @@ def outside_problems(outside: list[dict[str, Any]], *, stopped: bool) -> list[Pr
 
 
 def _of_rank(
-    entry: dict[str, Any], verdict: str, transition: str | None, headline: str, *, consequence: bool = False
+    entry: dict[str, Any], verdict: str, transition: str | None, headline: str, *, consequence: bool = False,
+    decided: bool = True,
 ) -> Problem:
     """A problem of one rank, at the position and epoch of its evidence ``entry``."""
     return Problem(verdict=verdict, position=entry["position"], culprits=(entry["rank"],), epoch=entry["epoch"],
-                   transition=transition, headline=headline, consequence=consequence)  # fmt: skip
+                   transition=transition, headline=headline, consequence=consequence, decided=decided)  # fmt: skip
 
 
 def stop_problems(stuck: list[dict[str, Any]]) -> list[Problem]:
     """Ranks that stopped: crashed, stuck, or silent with nobody waiting on them (incomplete)."""
     problems = []
     for s in stuck:
-        verdict = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK}.get(s["how"])
-        if verdict is None:
-            verdict = Verdict.STUCK if s["waited_on_by"] or s["located_by"] else Verdict.INCOMPLETE
-        problems.append(_of_rank(s, verdict, s["transition"], s["summary"]))
+        how = s["how"]
+        decided = True
+        if how == "left":
+            # On its own error: that error is the failure; having finished cleanly: it did another run's length.
+            verdict = Verdict.CRASHED if s["closed"] == "unclean" else Verdict.DIVERGENCE
+        elif how in _STOP_VERDICTS:
+            verdict = _STOP_VERDICTS[how]
+        elif how == "unknown" and (s["waited_on_by"] or s["located_by"]):
+            verdict = Verdict.STUCK
+        else:
+            # Cut off while the others finished: it alone stopped. Merely silent (a live run): nobody yet.
+            verdict, decided = Verdict.INCOMPLETE, how != "silent"
+        problems.append(_of_rank(s, verdict, s["transition"], s["summary"], decided=decided))
     return problems
+
+
+_STOP_VERDICTS = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK, "cancelled": Verdict.CANCELLED}
 
 
 def failure_problems(failures: list[dict[str, Any]], *, stopped_at: int | None) -> list[Problem]:

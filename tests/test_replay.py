@@ -296,7 +296,8 @@ def test_peer_failure_inside_a_collective_blames_the_silent_rank(tmp_path, capsy
 
 
 def test_without_evidence_crashed_or_stuck_is_said_to_be_unknown(tmp_path, capsys):
-    """Rank 0 stops inside an action and the others just wait at the guard: the report says it cannot tell."""
+    """Rank 0 stops inside an action and the others wait at the guard, beyond its timeout after rank 0's last
+    record: stuck, and the report says it cannot tell a crash from a hang."""
     for r in range(3):
         w = RankWriter(r, 3)
         w.cycles(1)
@@ -305,6 +306,7 @@ def test_without_evidence_crashed_or_stuck_is_said_to_be_unknown(tmp_path, capsy
             w.transition("rematerialize", stop="restore(actor)")
         else:
             w.transition("rematerialize")
+            w.emit("demo_tick", dt=6.0)  # they reach the guard longer after rank 0's last record than it waits
             w.transition("sync", stop="guard")
         w.write(tmp_path)
     code, d = as_json(capsys, str(tmp_path))
