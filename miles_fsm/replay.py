@@ -65,7 +65,8 @@ def replay(
     if flight_recorder is not None and not os.path.isdir(flight_recorder):  # before the long read
         raise FlightRecorderError(path=str(flight_recorder), reason="not a directory")
     if perfetto is not None:
-        check_output(perfetto, files.values())  # before the long read, not after it
+        # Before the long read, not after it; nothing of the run's evidence may be overwritten.
+        check_output(perfetto, files.values(), folders=[trace_dir] + ([flight_recorder] if flight_recorder else []))
     wanted = None if ranks is None else sorted(set(ranks))
     if wanted is not None:
         files = {r: p for r, p in files.items() if r in wanted}
