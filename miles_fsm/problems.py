@@ -39,15 +39,12 @@ class Verdict:
     DIVERGENCE = "divergence"
     STUCK = "stuck"
     CRASHED = "crashed"
-    #: A rank abandoned a transition before its guard (an async cancellation) while its peers waited there.
-    CANCELLED = "cancelled"
     CORRUPT = "corrupt"
     INCOMPLETE = "incomplete"
 
 
 #: When problems tie on position, the cause comes first.
-RANK = {Verdict.DIVERGENCE: 0, Verdict.CORRUPT: 1, Verdict.CANCELLED: 2, Verdict.CRASHED: 3, Verdict.STUCK: 4,
-        Verdict.INCOMPLETE: 5}
+RANK = {Verdict.DIVERGENCE: 0, Verdict.CORRUPT: 1, Verdict.CRASHED: 2, Verdict.STUCK: 3, Verdict.INCOMPLETE: 4}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -199,7 +196,9 @@ def stop_problems(stuck: list[dict[str, Any]]) -> list[Problem]:
     return problems
 
 
-_STOP_VERDICTS = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK, "cancelled": Verdict.CANCELLED}
+#: The verdicts are a fixed contract: a rank that cancelled before its guard while its peers waited there
+#: stopped while others waited for it (``stuck``); its entry's ``how`` says it cancelled.
+_STOP_VERDICTS = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK, "cancelled": Verdict.STUCK}
 
 
 def failure_problems(failures: list[dict[str, Any]], *, stopped_at: int | None) -> list[Problem]:

@@ -189,7 +189,6 @@ _STYLE = {
     "divergence": "bold red",
     "stuck": "bold red",
     "crashed": "bold red",
-    "cancelled": "bold red",
     "corrupt": "bold red",
     "incomplete": "bold yellow",
 }

@@ -23,7 +23,8 @@ def as_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:
 def test_a_cancel_before_the_guard_is_no_divergence_and_names_the_cancelling_rank(tmp_path, capsys,
                                                                                  assert_no_leftovers):
     """A real 2-rank anyio run: rank 1's sync is cancelled before its guard, rank 0 times out at the guard.
-    Replay says rank 1 cancelled (verdict cancelled, culprit rank 1), not that the ranks disagree on guarded."""
+    Replay says rank 1 cancelled (verdict stuck, how cancelled, culprit rank 1), not that the ranks disagree on
+    guarded."""
     from test_aio_ranks import abandon_before_guard
 
     out = run_ranks(abandon_before_guard, 2, timeout_s=30,
@@ -31,7 +32,7 @@ def test_a_cancel_before_the_guard_is_no_divergence_and_names_the_cancelling_ran
     assert all(o.ok for o in out), [o.error for o in out]
     code, d = as_json(capsys, str(tmp_path))
     assert d["first_divergence"] is None, d["first_divergence"]
-    assert (code, d["verdict"], d["culprit"]["ranks"], d["culprit"]["transition"]) == (3, "cancelled", [1], "sync")
+    assert (code, d["verdict"], d["culprit"]["ranks"], d["culprit"]["transition"]) == (3, "stuck", [1], "sync")
     [s] = d["stuck"]
     assert (s["rank"], s["how"], s["accused_by"]) == (1, "cancelled", [0])
     assert "before its guard" in d["headline"] and "disagree" not in d["headline"]
