@@ -173,10 +173,15 @@ def _judge(
     at_first = sorted((p for p in causes if p.position == first_pos), key=lambda p: RANK[p.verdict])
     lead = at_first[0]
     same = [p for p in at_first if p.verdict == lead.verdict]
-    culprits = sorted({r for p in same for r in p.culprits})
+    # Only what the evidence singles out is a culprit (an illegal move singles out its rank where the
+    # divergence it makes is undecided); suspects it cannot tell apart are named as such, never as culprits.
+    singled = sorted({r for p in same if p.decided for r in p.culprits})
+    suspects = singled or sorted({r for p in same for r in p.culprits})
+    decided = bool(singled)
     verdict = lead.verdict
     headline = lead.headline if len(same) == 1 else f"{lead.headline} (and {len(same) - 1} more like it)"
-    culprit = {"ranks": culprits, "epoch": lead.epoch, "transition": lead.transition, "position": first_pos}
+    culprit = {"ranks": suspects if decided else [], "decided": decided, "suspects": suspects, "epoch": lead.epoch,
+               "transition": lead.transition, "position": first_pos}  # fmt: skip
     later = [p for p in problems if p not in same]
     if later:
         notes.append(f"{len(later)} more problem(s) at or after this point, most likely its consequences (below)")

@@ -3,8 +3,9 @@
 Ranks are aligned by position (the n-th transition each one started), never
 by wall time. The suspects are named by the live guard's own rule
 (``miles_fsm.blame``): the ranks that changed the differing field since the
-last time this trigger ran with every rank agreeing, else a unique
-minority, else a tie. Used by ``miles_fsm.diagnosis``.
+last time this trigger ran with every rank agreeing; else nothing decides
+(a tie, or an undecided split), and every rank of the differing groups is
+suspect. Used by ``miles_fsm.diagnosis``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from miles_fsm.blame import suspects
 from miles_fsm.ranks import plural_ranks, rank_ranges
 from miles_fsm.schema import GUARD_FAILED, error_fields
-from miles_fsm.trace_model import RankTrace
+from miles_fsm.trace_model import CANCELLED, RankTrace
 
 #: Intent fields, in the order a divergence names the first that differs.
 _FIELDS = (
@@ -49,6 +50,14 @@ def _global(traces: Sequence[RankTrace]) -> tuple[list[Any], list[Any]]:
         else:
             m = [guard_ids.setdefault(g, len(guard_ids)) for g in t.guard_table]
             guards.append(t.guards if m == list(range(len(m))) else [-1 if i < 0 else m[i] for i in t.guards])
+    # A transition cancelled before its guard never ran one: its guard is unknown, not "unguarded" (the
+    # reader's fold records it as skipped). Its peers' guard is no disagreement with it.
+    for k, t in enumerate(traces):
+        cancelled = [i for i, code in enumerate(t.outcome) if code == CANCELLED[0]]
+        if cancelled:
+            guards[k] = g = list(guards[k])
+            for i in cancelled:
+                g[i] = -1
     return sigs, guards
 
 
@@ -101,8 +110,8 @@ def first_divergence(traces: Sequence[RankTrace]) -> dict[str, Any] | None:
     not_reached = sorted(r for r, d in at.items() if name in _GUARD_FIELDS and d["guarded"] is None)
     behind = sorted(t.rank for t in traces if t.positions <= first)
     sides = "; ".join(f"{plural_ranks(rs)} {_show(shown[k])}" for k, rs in ordered)
-    who = (f"{found.reason}: suspect every tied rank ({rank_ranges(found.ranks)})" if found.tie
-           else f"suspect {plural_ranks(list(found.ranks))}: {found.reason}")  # fmt: skip
+    who = (f"suspect {plural_ranks(list(found.ranks))}: {found.reason}" if found.decided
+           else f"{found.reason}: suspect every rank of the differing groups ({rank_ranges(found.ranks)})")  # fmt: skip
     guard = _guard_report(traces, first)
     summary = f"ranks disagree on {name} at {lead['trigger']} (epoch {lead['epoch']}): {sides}; {who}"
     if guard is not None and guard["detail"]:
@@ -123,6 +132,7 @@ def first_divergence(traces: Sequence[RankTrace]) -> dict[str, Any] | None:
         "how": found.how,
         "reason": found.reason,
         "tie": found.tie,
+        "decided": found.decided,
         "not_yet_at_guard": not_reached,
         "not_there": behind,
         "summary": summary,
@@ -151,7 +161,7 @@ def _previous(traces: Sequence[RankTrace], first: int, name: str, trigger: str) 
 
     Every position before the first divergence is one where the ranks agreed, so any rank that got
     there tells it. None when the trigger itself differs, or it never ran before (with its guard
-    recorded, for a guard field): then the minority rule decides (``miles_fsm.blame``).
+    recorded, for a guard field): then nothing decides (``miles_fsm.blame``).
     """
     if name == "trigger":
         return None

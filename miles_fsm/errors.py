@@ -172,8 +172,8 @@ class RankDivergenceError(GuardError, RuntimeError):
     ``field`` is the first field that differs and ``groups`` its values by
     rank; ``differences`` holds every differing field the same way;
     ``positions`` each rank's own (epoch, trigger); ``how`` says how the
-    suspects were found (``miles_fsm.blame``: ``changed``, ``minority`` or
-    ``tie``).
+    suspects were found (``miles_fsm.blame``: ``changed``, ``tie`` or
+    ``undecided``; ``minority`` is the default of an error built by hand).
     """
 
     def __init__(
@@ -203,6 +203,9 @@ class RankDivergenceError(GuardError, RuntimeError):
             suspect = f"It is a tie: nothing tells the sides apart; suspect every tied rank ({list_ranks(self.culprits)})."
         elif how == "changed":
             suspect = f"Suspect rank(s) {list_ranks(self.culprits)}: they changed it since every rank last agreed."
+        elif how == "undecided":
+            suspect = (f"Undecided: with no earlier agreement the group sizes do not say which side changed; suspect "
+                       f"every rank of the differing groups ({list_ranks(self.culprits)}).")
         else:
             suspect = f"Suspect rank(s) {list_ranks(self.culprits)}: the only ranks that hold their value."
         lines = []

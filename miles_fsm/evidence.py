@@ -52,6 +52,7 @@ def guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
                     "missing": set(),
                     "field": fields.get("field"),
                     "culprits": fields.get("culprits"),
+                    "how": fields.get("how"),
                     "groups": fields.get("groups"),
                     "detail": fields.get("detail"),
                     "message": first_line(rec.get("message") or ""),
@@ -139,7 +140,9 @@ def outside_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
                     "error": rec.get("error"),
                     "message": first_line(rec.get("message") or ""),
                     "transport": rec.get("transport"),
-                    "culprits": sorted(set(rec.get("culprits") or error_fields(rec).get("culprits") or ())),
+                    # The ranks it names: a located fault's culprits, or the peers a lifecycle error found missing.
+                    "culprits": sorted(set(rec.get("culprits") or error_fields(rec).get("culprits") or ())
+                                       | set(error_fields(rec).get("missing") or ())),
                     "after_failed": rec.get("state") == failed,
                     "line": n.line,
                 }

@@ -20,6 +20,7 @@ still open when a trace ends is closed there and marked ``unfinished``.
 from __future__ import annotations
 
 import os
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -59,8 +60,16 @@ class OutputPathError(ValueError):
         super().__init__(f"--perfetto {self.path}: {reason}")
 
 
-def check_output(out: str | os.PathLike[str], inputs: Iterable[Path]) -> None:
-    """Raise ``OutputPathError`` unless ``out`` can be written and is none of the traces read."""
+#: Names of a run's own evidence: rank traces (rotated too), their indexes, Flight Recorder dumps.
+_EVIDENCE = re.compile(r"^(rank-[^/]*\.jsonl(\.\d+)?|.*\.index|fr-rank-[^/]*\.json)$")
+
+
+def check_output(out: str | os.PathLike[str], inputs: Iterable[Path], folders: Iterable[Path] = ()) -> None:
+    """Raise ``OutputPathError`` unless ``out`` can be written and overwrites none of the run's evidence.
+
+    ``folders``: where the run's traces and Flight Recorder dumps are; a file there named as one of them
+    (``rank-*.jsonl``, ``*.index``, ``fr-rank-*.json``) is refused, whether or not this replay reads it.
+    """
     path = Path(out)
     if path.is_dir():
         raise OutputPathError(path, "is a directory; give a file name such as trace.json")
@@ -72,6 +81,10 @@ def check_output(out: str | os.PathLike[str], inputs: Iterable[Path]) -> None:
     target = path.resolve()
     if any(target == p.resolve() for p in inputs):
         raise OutputPathError(path, "is one of the traces being read; it would be overwritten")
+    # Dumps are searched recursively (``flight_recorder.load_dir``): a subfolder is the run's too.
+    if _EVIDENCE.match(target.name) and any(Path(f).resolve() in target.parents for f in folders):
+        raise OutputPathError(path, "is named as the run's own evidence (a rank trace, an index or a Flight "
+                              "Recorder dump) in its folder; it would be overwritten: write it elsewhere")
 
 STATE_TID = 1
 TRANSITION_TID = 2

@@ -56,6 +56,9 @@ class Problem:
     transition: str | None
     headline: str
     consequence: bool = False
+    #: False when the evidence does not single the culprits out (a tie, an undecided split): they are
+    #: suspects only, and the verdict's ``culprit`` names nobody.
+    decided: bool = True
 
 
 def divergence_problems(
@@ -72,6 +75,7 @@ def divergence_problems(
                 epoch=divergence["epoch"],
                 transition=divergence["transition"],
                 headline=divergence["summary"],
+                decided=divergence["decided"],
             )
         )
     if illegal:
@@ -91,6 +95,7 @@ def divergence_problems(
     for g in guard_failures:
         if g["error"] == "RankDivergenceError" and divergence is None:
             culprits = tuple(g["culprits"] or ())
+            decided = bool(culprits) and g.get("how") == "changed"
             problems.append(
                 Problem(
                     verdict=Verdict.DIVERGENCE,
@@ -99,7 +104,9 @@ def divergence_problems(
                     epoch=g["epoch"],
                     transition=g["transition"],
                     headline=f"the guard of {g['transition']} (epoch {g['epoch']}) found ranks disagreeing on "
-                    f"{g.get('field')}; suspect {plural_ranks(list(culprits)) if culprits else 'unknown'}",
+                    f"{g.get('field')}; suspect {plural_ranks(list(culprits)) if culprits else 'unknown'}"
+                    + ("" if decided else " (the guard's evidence does not decide between them)"),
+                    decided=decided,
                 )
             )
     return problems
@@ -161,22 +168,37 @@ def outside_problems(outside: list[dict[str, Any]], *, stopped: bool) -> list[Pr
 
 
 def _of_rank(
-    entry: dict[str, Any], verdict: str, transition: str | None, headline: str, *, consequence: bool = False
+    entry: dict[str, Any], verdict: str, transition: str | None, headline: str, *, consequence: bool = False,
+    decided: bool = True,
 ) -> Problem:
     """A problem of one rank, at the position and epoch of its evidence ``entry``."""
     return Problem(verdict=verdict, position=entry["position"], culprits=(entry["rank"],), epoch=entry["epoch"],
-                   transition=transition, headline=headline, consequence=consequence)  # fmt: skip
+                   transition=transition, headline=headline, consequence=consequence, decided=decided)  # fmt: skip
 
 
 def stop_problems(stuck: list[dict[str, Any]]) -> list[Problem]:
     """Ranks that stopped: crashed, stuck, or silent with nobody waiting on them (incomplete)."""
     problems = []
     for s in stuck:
-        verdict = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK}.get(s["how"])
-        if verdict is None:
-            verdict = Verdict.STUCK if s["waited_on_by"] or s["located_by"] else Verdict.INCOMPLETE
-        problems.append(_of_rank(s, verdict, s["transition"], s["summary"]))
+        how = s["how"]
+        decided = True
+        if how == "left":
+            # On its own error: that error is the failure; having finished cleanly: it did another run's length.
+            verdict = Verdict.CRASHED if s["closed"] == "unclean" else Verdict.DIVERGENCE
+        elif how in _STOP_VERDICTS:
+            verdict = _STOP_VERDICTS[how]
+        elif how == "unknown" and (s["waited_on_by"] or s["located_by"]):
+            verdict = Verdict.STUCK
+        else:
+            # Cut off while the others finished: it alone stopped. Merely silent (a live run): nobody yet.
+            verdict, decided = Verdict.INCOMPLETE, how != "silent"
+        problems.append(_of_rank(s, verdict, s["transition"], s["summary"], decided=decided))
     return problems
+
+
+#: The verdicts are a fixed contract: a rank that cancelled before its guard while its peers waited there
+#: stopped while others waited for it (``stuck``); its entry's ``how`` says it cancelled.
+_STOP_VERDICTS = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK, "cancelled": Verdict.STUCK}
 
 
 def failure_problems(failures: list[dict[str, Any]], *, stopped_at: int | None) -> list[Problem]:
@@ -200,6 +222,7 @@ def corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]]
     failed = sorted({v["rank"] for v in firsts})
     tensors = sorted({n for v in firsts for n in v["tensors"]})
     v0 = firsts[0]
+    decided = True
     named = Counter(c for loc in located if loc["position"] >= first_pos - 1 for c in loc["culprits"])
     if named:
         top = max(named.values())
@@ -218,6 +241,7 @@ def corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]]
             why = ""
             if len(failed) > 1:
                 why = "; every rank saw the same mismatch, so the traces do not say whose data was wrong"
+                decided = False
     return Problem(
         verdict=Verdict.CORRUPT,
         position=first_pos,
@@ -226,6 +250,7 @@ def corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]]
         transition=v0["transition"],
         headline=f"verification failed on {plural_ranks(failed)} in {v0['transition']} (epoch {v0['epoch']}, "
         f"{v0['where']}): {_names(tensors)} changed{why}",
+        decided=decided,
     )
 
 

@@ -65,7 +65,8 @@ def replay(
     if flight_recorder is not None and not os.path.isdir(flight_recorder):  # before the long read
         raise FlightRecorderError(path=str(flight_recorder), reason="not a directory")
     if perfetto is not None:
-        check_output(perfetto, files.values())  # before the long read, not after it
+        # Before the long read, not after it; nothing of the run's evidence may be overwritten.
+        check_output(perfetto, files.values(), folders=[trace_dir] + ([flight_recorder] if flight_recorder else []))
     wanted = None if ranks is None else sorted(set(ranks))
     if wanted is not None:
         files = {r: p for r, p in files.items() if r in wanted}
@@ -219,8 +220,11 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             add(("yellow", f"  flight recorder: {problem}"))
     if d.culprit is not None:
         c = d.culprit
-        who = rank_ranges(c["ranks"]) or "unknown"
-        add((None, f"  culprit: rank(s) {who} | epoch {c['epoch']} | transition {c['transition']}"))
+        if c["decided"]:
+            who = f"rank(s) {rank_ranges(c['ranks'])}"
+        else:
+            who = "undecided" + (f" (suspects: {rank_ranges(c['suspects'])})" if c["suspects"] else "")
+        add((None, f"  culprit: {who} | epoch {c['epoch']} | transition {c['transition']}"))
     for n in d.notes:
         add(("dim", f"  note: {n}"))
 
@@ -244,8 +248,9 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         if g is not None:
             detail = f": {'; '.join(g['detail'])}" if g["detail"] else ""
             add((None, f"    the guard caught it, on {g['field']}{detail}"))
-        if f["tie"]:
-            add(("yellow", f"    {f['reason']}: suspect every tied rank ({rank_ranges(f['culprits'])})"))
+        if not f["decided"]:
+            add(("yellow", f"    {f['reason']}: suspect every rank of the differing groups "
+                           f"({rank_ranges(f['culprits'])}), none is singled out"))
         else:
             add((None, f"    suspect {plural_ranks(f['culprits'])} ({f['how']}): {f['reason']}"))
         if f["not_yet_at_guard"]:

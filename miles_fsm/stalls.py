@@ -12,11 +12,34 @@ from typing import Any
 
 from miles_fsm.evidence import CORE_EVENTS
 from miles_fsm.ranks import plural_ranks
-from miles_fsm.schema import TRANSITION_FINISHED
+from miles_fsm.schema import TRANSITION_CANCELLED, TRANSITION_FINISHED, error_fields
 from miles_fsm.trace_model import FINISHED, RankTrace
 
 #: A failed collective's ``transport`` (judged by the writer) -> how it accuses the silent rank.
 _TRANSPORT = {"peer_lost": "lost", "timeout": "timeout"}
+#: The lifecycle's own errors that accuse the ranks they name as ``missing``.
+_ERRORS = {"PeerLostError": "lost", "GuardTimeoutError": "timeout"}
+
+
+def accusing_kind(transport: str | None, error: str | None) -> str | None:
+    """How a recorded failure accuses the ranks it names: ``lost``, ``timeout`` or None (it does not)."""
+    return _TRANSPORT.get(transport or "") or _ERRORS.get(error or "")
+
+
+def left_blaming_others(t: RankTrace) -> bool:
+    """The rank closed its trace on an error of its own that names other ranks: it left because of them."""
+    c = t.closed
+    if c is None or c.get("clean") is True:
+        return False
+    fields = error_fields(c)
+    named = set(c.get("culprits") or fields.get("culprits") or ()) | set(fields.get("missing") or ())
+    return bool(named - {t.rank})
+
+
+def cancelled_at(t: RankTrace, position: int | None = None) -> dict | None:
+    """The ``transition_cancelled`` record of the rank's last position (or of ``position``), if it was one."""
+    at = t.positions - 1 if position is None else position
+    return next((n.record for n in reversed(t.notes) if n.event == TRANSITION_CANCELLED and n.position == at), None)
 
 
 def located(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
@@ -51,7 +74,7 @@ def accusations(
     """Who the surviving ranks' records blame for stopping, and how (lost connection, timeout, located)."""
     accused: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for g in guard_failures:
-        kind = {"GuardTimeoutError": "timeout", "PeerLostError": "lost"}.get(g["error"])
+        kind = _ERRORS.get(g["error"] or "")
         if kind is None:
             continue
         via = f"the guard of {g['transition']} (epoch {g['epoch']}, {g['error']})"
@@ -76,7 +99,7 @@ def accusations(
     # A failure outside any transition that lost its peer or timed out: the ranks it names, else the cut-off ones.
     cut = [t.rank for t in traces if t.closed is None and t.state != "FAILED"]
     for f in outside:
-        kind = _TRANSPORT.get(f["transport"] or "")
+        kind = accusing_kind(f["transport"], f["error"])
         if kind is None:
             continue
         via = f"its {f['event']} record" + (f" ({f['where']})" if f["where"] else "")
@@ -90,6 +113,15 @@ def accusations(
                 accused[c].append({"kind": "located", "by": [loc["rank"]], "position": loc["position"],
                                    "epoch": loc["epoch"], "transition": loc["where"],
                                    "via": f"its own {loc['event']} record"})
+    # A rank that closed its trace on its own error naming other ranks left because of them: the lost
+    # connection its peers then record is its exit, a consequence, never evidence against it.
+    by_rank = {t.rank: t for t in traces}
+    for r in list(accused):
+        t = by_rank.get(r)
+        if t is not None and left_blaming_others(t):
+            accused[r] = [a for a in accused[r] if a["kind"] != "lost"]
+            if not accused[r]:
+                del accused[r]
     return accused
 
 
@@ -127,10 +159,12 @@ def stopped(
             candidates.add(t.rank)
     if waiting:
         candidates.update(missing)
+    # The run's own bound on waiting: silence within it is what a live run's slow step looks like.
+    bound = max((t.guard_timeout_s for t in traces if t.guard_timeout_s is not None), default=None)
     return [
         _stopped_entry(
             r, by_rank.get(r), accused.get(r, []), sorted(w for w in waiting if w != r), traces, last_wall,
-            unread=r not in by_rank and r not in missing,
+            unread=r not in by_rank and r not in missing, bound=bound,
         )
         for r in sorted(candidates)
     ]
@@ -145,6 +179,7 @@ def _stopped_entry(
     last_wall: float | None,
     *,
     unread: bool = False,
+    bound: float | None = None,
 ) -> dict[str, Any]:
     decisive = [a for a in acc if a["kind"] != "located"]
     at = min(decisive or acc, key=lambda a: a["position"]) if acc else None
@@ -168,7 +203,9 @@ def _stopped_entry(
         if at is not None and at["epoch"] is not None:
             epoch = at["epoch"]
         inside = f"between transitions: it finished {done}" + (f" and never started {transition}" if transition else "")
-        if t.last_event != TRANSITION_FINISHED and t.last_event is not None:
+        if cancelled_at(t) is not None:
+            inside = f"{done}, which it cancelled before its guard: it entered no collective"
+        elif t.last_event != TRANSITION_FINISHED and t.last_event is not None:
             # Its last record is outside the lifecycle's transitions (a guarded train step, a driver's own).
             inside = f"between transitions: it finished {done}, and its last record is {t.last_event}" + (
                 f" of {t.last_subject}" if t.last_subject else "")
@@ -176,9 +213,23 @@ def _stopped_entry(
         position = at["position"] if at else min((x.positions for x in traces), default=0)
     silent = None if since is None or last_wall is None else max(0.0, last_wall - since)
     how, evidence = _how(r, t, acc)
-    verb = {"crashed": "crashed", "stuck": "is stuck", "unknown": "stopped"}[how]
+    finished = any(x.closed is not None for x in traces if x is not t)
+    if how == "unknown" and t is not None and t.closed is None and not acc and not finished and (
+            silent is None or bound is None or silent <= bound):  # fmt: skip
+        # Nobody recorded a timeout or a lost connection, no rank has finished, and it has been silent no
+        # longer than a guard may wait: a live run replayed mid-flight looks exactly like this. Not stuck,
+        # not anyone's fault yet.
+        how = "silent"
+        limit = "the guard timeout" if bound is None else f"the guard timeout ({bound:g} s)"
+        evidence = (f"silent for {'an unknown time' if silent is None else f'~{silent:.1f} s'}, no longer than "
+                    f"{limit}, and no rank recorded a timeout or a lost connection naming it: the run may still be "
+                    "running, or was stopped from outside; replay it again later, or check the process")
+    verb = {"crashed": "crashed", "stuck": "is stuck", "unknown": "stopped", "left": "left the run",
+            "cancelled": "cancelled", "silent": "is silent"}[how]
     if t is None:
         summary = f"rank {r} {verb}: " + ("its trace was not read (--rank)" if unread else "it left no trace")
+    elif how == "cancelled":
+        summary = f"rank {r} cancelled {transition} before its guard (epoch {epoch}, state {state}): it entered no collective"
     elif t.open is not None:
         summary = f"rank {r} {verb} in {inside} (epoch {epoch}, state {state})"
     else:
@@ -188,7 +239,7 @@ def _stopped_entry(
     accusers = sorted({x for a in decisive for x in a["by"]})
     if accusers:
         summary += f"; {plural_ranks(accusers)} " + (
-            "lost their connection to it" if how == "crashed" else "timed out waiting for it"
+            "lost their connection to it" if any(a["kind"] == "lost" for a in decisive) else "timed out waiting for it"
         )
     elif waiters:
         summary += f"; {plural_ranks(waiters)} were waiting for it at a guard"
@@ -202,6 +253,7 @@ def _stopped_entry(
         "silent_s": silent,
         "silent_basis": "wall clocks of different ranks (an estimate)",
         "how": how,
+        "closed": None if t is None or t.closed is None else ("clean" if t.closed.get("clean") is True else "unclean"),
         "evidence": evidence,
         "accused_by": accusers,
         "located_by": sorted({x for a in acc if a["kind"] == "located" for x in a["by"]}),
@@ -216,6 +268,26 @@ def _how(r: int, t: RankTrace | None, acc: list[dict[str, Any]]) -> tuple[str, s
     timeout = [a for a in acc if a["kind"] == "timeout"]
     located = sorted({x for a in acc if a["kind"] == "located" for x in a["by"]})
     also = f"; {plural_ranks(located)} also named it as the culprit" if located else ""
+    waited = sorted({x for a in lost + timeout for x in a["by"]})
+    cancel = None if t is None else cancelled_at(t)
+    if cancel is not None and waited:
+        # The one abandoned transition that is no divergence: this rank entered no collective, the others
+        # then fail their guard waiting for it.
+        return "cancelled", (
+            f"rank {r} cancelled {cancel.get('trigger')} (epoch {cancel.get('epoch')}) before its guard "
+            f"({cancel.get('error') or 'a cancellation'}), so it entered no collective; {plural_ranks(waited)} "
+            f"then failed at the guard waiting for it{also}"
+        )
+    if t is not None and t.closed is not None and waited:
+        # A rank that closed its trace did not crash: it left the lifecycle itself, on its own error or done.
+        c = t.closed
+        own = "" if c.get("clean") is True else \
+            f" on its own error, {c.get('error') or 'an error'}: {_first_line(c.get('message'))}"  # fmt: skip
+        return "left", (
+            f"rank {r} closed its trace{own or ' cleanly'} and left while {plural_ranks(waited)} still needed it "
+            f"({'they lost their connection to it' if lost else 'they timed out waiting for it'}): it did not "
+            f"crash{also}"
+        )
     if lost and kinds["lost"] >= kinds["timeout"]:
         a = lost[0]
         return "crashed", (
@@ -236,6 +308,10 @@ def _how(r: int, t: RankTrace | None, acc: list[dict[str, Any]]) -> tuple[str, s
         "no surviving rank recorded a timeout or a lost connection naming it, so the traces cannot tell "
         f"whether it crashed or hung; check its exit status, or py-spy dump it if it is still alive{also}"
     )
+
+
+def _first_line(text: Any) -> str:
+    return str(text).splitlines()[0] if text else ""
 
 
 def _next_trigger(traces: Sequence[RankTrace], index: int) -> str | None:

@@ -1,4 +1,4 @@
-"""Who is suspect when ranks disagree: evidence first, then a unique minority, else a plain tie."""
+"""Who is suspect when ranks disagree: evidence decides; without it, a tie or an undecided split, said plainly."""
 
 from __future__ import annotations
 
@@ -28,14 +28,24 @@ def test_one_against_one_without_history_is_said_to_be_a_tie():
     assert "It is a tie" in str(err)
 
 
-def test_a_unique_minority_is_suspect_and_every_differing_field_is_shown():
-    """2 vs 1 without history: the one rank is suspect; the message lists the tensor set and the plan, and
-    each rank's own (epoch, trigger) when they differ."""
+def test_two_against_one_without_history_is_undecided_and_every_differing_field_is_shown():
+    """2 vs 1 without history: the sizes are no evidence (the two may share the fault), so every rank is
+    suspect and the error says it is undecided; the message lists the tensor set and the plan, and each
+    rank's own (epoch, trigger) when they differ."""
     odd = _intent(3, ("a",), trigger="offload")
     err = explain_divergence([_intent(2, ("a", "b")), _intent(2, ("a", "b")), odd])
-    assert err.culprits == (2,) and err.how == "minority"
+    assert err.culprits == (0, 1, 2) and err.how == "undecided"
+    assert "Undecided" in str(err) and "the only ranks" not in str(err)
     assert set(err.differences) >= {"epoch", "trigger", "tensor set", "collective plan"}
     assert "rank 2: epoch 3, offload" in str(err)
+
+
+def test_the_one_healthy_rank_is_never_singled_out_by_being_alone():
+    """Ranks 1 and 2 both drop a tensor at the first sync; rank 0, alone, is healthy: nobody is decided."""
+    err = explain_divergence([_intent(1, ("a", "b")), _intent(1, ("a",)), _intent(1, ("a",))])
+    found = suspects({"ab": [0], "a": [1, 2]})
+    assert not found.decided and found.ranks == (0, 1, 2)
+    assert (err.culprits, err.how) == ((0, 1, 2), "undecided")
 
 
 def test_suspects_prefers_evidence_to_the_majority():

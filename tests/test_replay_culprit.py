@@ -2,7 +2,8 @@
 
 On a 1-vs-1 divergence the sizes of the groups tell nothing; the earlier
 agreement on the same trigger does (the rank that changed), and when there
-is none the report says plainly that it is a tie and names every tied rank.
+is none the report says plainly that it is a tie (or, sides of unequal size, undecided), lists every
+suspect, and puts nobody in the ``culprit`` field: a guess is not a culprit.
 """
 
 from __future__ import annotations
@@ -57,16 +58,37 @@ def test_replay_names_the_suspects_the_live_guard_names(tmp_path, capsys):
     assert (f["culprits"], f["how"], f["reason"]) == (list(live.ranks), live.how, live.reason)
 
 
-def test_a_tie_without_earlier_agreement_is_said_plainly_and_names_every_tied_rank(tmp_path, capsys):
-    """At the first sync nothing tells 1 from 1: 'a tie', both ranks suspect, in the JSON and the text."""
+def test_a_tie_without_earlier_agreement_is_said_plainly_and_names_no_culprit(tmp_path, capsys):
+    """At the first sync nothing tells 1 from 1: 'a tie', both ranks suspect, in the JSON and the text; the
+    culprit field is undecided and names nobody."""
     two_ranks(tmp_path, changer=1, first_sync=True)
     code, d = as_json(capsys, str(tmp_path))
     f = d["first_divergence"]
-    assert (code, f["how"], f["tie"], f["culprits"], d["culprit"]["ranks"]) == (3, "tie", True, [0, 1], [0, 1])
+    assert (code, f["how"], f["tie"], f["decided"], f["culprits"]) == (3, "tie", True, False, [0, 1])
+    c = d["culprit"]
+    assert (c["ranks"], c["decided"], c["suspects"]) == ([], False, [0, 1])
     assert "a tie" in d["headline"] and "0-1" in d["headline"]
     main(["replay", str(tmp_path)])
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("DIVERGENCE:") and "a tie: " in out
+    assert "culprit: undecided (suspects: 0-1)" in out
+
+
+def test_two_diverging_ranks_at_the_first_guard_do_not_make_the_healthy_rank_the_culprit(tmp_path, capsys):
+    """Ranks 1 and 2 plan another tensor set at the first sync; rank 0 alone is right. Nothing earlier says
+    which side changed: undecided, every rank a suspect, the culprit field names nobody."""
+    for r in range(3):
+        w = RankWriter(r, 3)
+        w.transition("start")
+        w.transition("offload"), w.transition("pause"), w.transition("rematerialize")
+        w.transition("sync", tensors="c" * 32 if r else TENSORS)
+        w.write(tmp_path)
+    code, d = as_json(capsys, str(tmp_path))
+    f = d["first_divergence"]
+    assert (code, d["verdict"], f["how"], f["decided"], f["culprits"]) == (3, "divergence", "undecided", False,
+                                                                           [0, 1, 2])
+    assert (d["culprit"]["ranks"], d["culprit"]["suspects"]) == ([], [0, 1, 2])
+    assert "undecided" in d["headline"] and "suspect rank 0:" not in d["headline"]
 
 
 def test_every_differing_field_is_shown_with_its_groups(tmp_path, capsys):

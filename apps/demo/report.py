@@ -10,6 +10,7 @@ same rank on every run however the ranks' views raced:
    how many errors name them; ties name every tied rank;
 3. the replay diagnosis of the run's traces (a hang inside a collective
    leaves only a gloo timeout on the survivors: the trace says who stopped);
+   when the traces cannot decide, nobody (``culprit: unknown``);
 4. the ranks that reported an error.
 """
 
@@ -110,6 +111,7 @@ def blame(
                 died.append(o.rank)
             lines.append(f"rank {o.rank}: {how}; its trace ends with {trace_end(traces.get(o.rank))}")
     from_traces = replay is not None and replay.culprit is not None and bool(replay.culprit["ranks"])
+    undecided = replay is not None and replay.culprit is not None and not replay.culprit["decided"]
     if died:
         culprits = tuple(died)
     elif named:
@@ -117,6 +119,9 @@ def blame(
         culprits = tuple(sorted(r for r, n in named.items() if n == top))
     elif from_traces:
         culprits = tuple(replay.culprit["ranks"])
+        lines.append(f"from the traces: {replay.verdict}: {replay.headline}")
+    elif undecided:  # the traces cannot tell the suspects apart: a guess is no culprit
+        culprits = ()
         lines.append(f"from the traces: {replay.verdict}: {replay.headline}")
     else:
         culprits = tuple(o.rank for o in outcomes if o.error is not None)
