@@ -26,6 +26,7 @@ from miles_fsm.problems import (
     divergence_problems,
     failure_problems,
     outside_problems,
+    outside_stop_problems,
     stop_problems,
     undamaged_divergence,
 )
@@ -125,6 +126,8 @@ def diagnose(
     verification = evidence.verification_failures(traces)
 
     problems = [
+        # First: at the same position, the stop from outside explains the ranks it found mid-way.
+        *outside_stop_problems(evidence.outside_stops(traces)),
         *divergence_problems(divergence, [i for i in illegal if i["rank"] not in damaged], guard_failures),
         *damage_problems(damage, [i for i in illegal if i["rank"] in damaged], by_rank),
         *stop_problems(stuck),

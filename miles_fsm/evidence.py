@@ -23,12 +23,49 @@ from miles_fsm.schema import (
 )
 from miles_fsm.trace_model import RankTrace
 
-__all__ = ["guard_failures", "outside_failures", "step_failures", "verification_failures"]
+__all__ = ["OUTSIDE_STOPS", "guard_failures", "outside_failures", "outside_stops", "step_failures",
+           "verification_failures"]
 
 #: Notes of the lifecycle's own records; any other note is a driver's or the demo's (or an unclean close).
 CORE_EVENTS = frozenset(
     (GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE, TRANSITION_FAILED, TRANSITION_CANCELLED, RECOVERED)
 )
+
+
+#: Errors a rank closes its trace with when it was stopped from outside, not by a failure of its own:
+#: its launcher stopped it (``miles_fsm.launch.RankStoppedError``) or died (``LauncherLostError``).
+OUTSIDE_STOPS = frozenset(("RankStoppedError", "LauncherLostError"))
+
+
+def stopped_from_outside(t: RankTrace) -> dict[str, Any] | None:
+    """The rank's ``trace_closed`` record if it says the rank was stopped from outside, else None."""
+    c = t.closed
+    return c if c is not None and c.get("clean") is not True and c.get("error") in OUTSIDE_STOPS else None
+
+
+def outside_stops(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
+    """Ranks stopped from outside while they ran, and why: an operator's signal to the launcher, the run's
+    time limit, another rank's failure, or the launcher's own death. None of these is a rank's fault."""
+    out = []
+    for t in traces:
+        c = stopped_from_outside(t)
+        if c is None:
+            continue
+        fields = error_fields(c)
+        out.append(
+            {
+                "rank": t.rank,
+                "position": t.open.index if t.open is not None else t.positions,
+                "epoch": c.get("epoch"),
+                "state": c.get("state"),
+                "error": c.get("error"),
+                "reason": "launcher_lost" if c.get("error") == "LauncherLostError" else fields.get("reason"),
+                "signal": fields.get("signal"),
+                "failed": sorted(fields.get("failed") or ()),
+            }
+        )
+    out.sort(key=lambda s: (s["position"], s["rank"]))
+    return out
 
 
 def guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
@@ -130,6 +167,8 @@ def outside_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
             rec = n.record
             if n.event in CORE_EVENTS or (rec.get("error") is None and n.event != TRACE_CLOSED):
                 continue
+            if n.event == TRACE_CLOSED and stopped_from_outside(t) is not None:
+                continue  # stopped from outside: ``outside_stops``, never the rank's own failure
             out.append(
                 {
                     "rank": t.rank,

@@ -5,10 +5,19 @@ the survivors can still name it. Children start from a forkserver that has
 torch imported already. Every exit path (return, timeout, Ctrl-C, SIGTERM or
 SIGHUP, an exception in the parent) kills every child that is still alive.
 
+Each rank holds the read end of a pipe of its own whose only writer is the
+parent: the rank's control pipe. When the parent stops a rank that is still
+running (an operator's Ctrl-C, SIGTERM or SIGHUP; the run's timeout; the
+linger after another rank failed) it first writes why down that pipe, so the
+rank can say so in its trace (``RankStoppedError``) before it exits, even
+while its main thread is blocked inside a collective; only a rank that does
+not exit in time is terminated, then killed. Ranks ignore SIGINT: a Ctrl-C
+reaches every process of the terminal's group at once, and the launcher, not
+each rank on its own, decides how they stop.
+
 A parent that dies without running any of that (SIGKILL, a crash) is seen
-by its ranks: each holds the read end of a pipe whose only writer is the
-parent, so the pipe's end-of-file is the parent's death. The rank then runs
-what it registered with ``RankContext.on_launcher_lost`` (the demo closes its
+the same way: the pipe's end-of-file is the parent's death. The rank then
+runs what it registered with ``RankContext.on_stopped`` (the demo closes its
 trace with ``LauncherLostError``), removes the launcher's multiprocessing
 temp folder that nobody else will, and exits. A rank's parent process is the
 forkserver, not the launcher, and the forkserver lives as long as any rank
@@ -18,6 +27,7 @@ for a forkserver that is killed.
 
 from __future__ import annotations
 
+import enum
 import multiprocessing as mp
 import os
 import queue
@@ -26,30 +36,38 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from miles_fsm.errors import MilesFsmError
+from miles_fsm.errors import MilesFsmError, list_ranks
 
 __all__ = [
     "EXIT_LAUNCHER_LOST",
+    "EXIT_STOPPED",
     "LaunchInterrupted",
     "LauncherLostError",
     "RankContext",
     "RankError",
     "RankOutcome",
+    "RankStoppedError",
+    "StopReason",
     "flatten_error",
     "run_ranks",
 ]
 
 #: A rank's exit code when it stopped because its launcher died.
 EXIT_LAUNCHER_LOST = 75
-#: How long a rank's ``on_launcher_lost`` callbacks may run before it exits regardless.
+#: A rank's exit code when its launcher stopped it (as a shell reports SIGTERM).
+EXIT_STOPPED = 128 + signal.SIGTERM
+#: How long a rank's ``on_stopped`` callbacks may run before it exits regardless.
 _LOST_GRACE_S = 2.0
+#: How long a rank told to stop gets to write its last record and exit: its callbacks' grace plus
+#: a loaded host's margin. Only then is it terminated.
+_STOP_GRACE_S = _LOST_GRACE_S + 1.0
 #: How long a terminated rank gets before it is killed.
 _TERM_GRACE_S = 2.0
 
@@ -67,6 +85,45 @@ class LauncherLostError(MilesFsmError, RuntimeError):
         )
 
 
+class StopReason(str, enum.Enum):
+    """Why a launcher stopped a rank that was still running."""
+
+    #: The launcher got SIGINT (Ctrl-C), SIGTERM or SIGHUP: an operator or a scheduler stopped the run.
+    SIGNAL = "signal"
+    #: The run's own time limit passed.
+    TIMEOUT = "timeout"
+    #: Another rank failed, and this one did not finish within the linger that followed.
+    PEER_FAILED = "peer_failed"
+    #: The launching code itself raised (a callback of its own, say).
+    LAUNCHER_ERROR = "launcher_error"
+
+
+class RankStoppedError(MilesFsmError, RuntimeError):
+    """The launcher stopped this rank before it finished; the rank did not fail on its own.
+
+    ``reason`` says why (``StopReason``); ``signal`` names the signal the
+    launcher got, for ``StopReason.SIGNAL``; ``failed`` the ranks whose
+    failure stopped the run, for ``StopReason.PEER_FAILED``.
+    """
+
+    def __init__(self, *, rank: int, reason: StopReason | str, signal: str | None = None,
+                 failed: Sequence[int] = ()) -> None:  # fmt: skip
+        self.rank = rank
+        self.reason = StopReason(reason)
+        self.signal = signal
+        self.failed = tuple(failed)
+        why = {
+            StopReason.SIGNAL: f"its launcher got {signal} (an operator's Ctrl-C, or a scheduler's stop) and "
+            "stopped every rank; no rank failed by that. Rerun or resume the job",
+            StopReason.TIMEOUT: "the run's time limit passed while it was still running; if the job was making "
+            "progress, give it more time, else replay its traces to see where it stood",
+            StopReason.PEER_FAILED: f"rank(s) {list_ranks(self.failed)} failed and this rank did not finish "
+            "within the linger that followed; their errors say what went wrong",
+            StopReason.LAUNCHER_ERROR: "the launching process raised; its own traceback says why",
+        }[self.reason]
+        super().__init__(f"rank {rank} was stopped by its launcher: {why}")
+
+
 class LaunchInterrupted(KeyboardInterrupt):
     """The launching process got SIGTERM or SIGHUP: every rank was stopped, like Ctrl-C."""
 
@@ -82,15 +139,23 @@ class RankContext:
     rank: int
     world: int
     kwargs: Mapping[str, Any]
-    _on_lost: list[Callable[[LauncherLostError], None]] = field(default_factory=list, repr=False, compare=False)
+    _on_stop: list[tuple[bool, Callable[[Any], None]]] = field(default_factory=list, repr=False, compare=False)
+
+    def on_stopped(self, callback: Callable[[LauncherLostError | RankStoppedError], None]) -> None:
+        """Run ``callback`` (from a watchdog thread) if the rank is stopped from outside; then it exits.
+
+        It gets ``RankStoppedError`` when the launcher stops the rank (a
+        signal, the run's timeout, another rank's failure), and
+        ``LauncherLostError`` when the launcher died. The main thread may be
+        anywhere, a collective included. The callback must be quick and must
+        not touch collectives or the store: the store lives in the launcher,
+        and peers may be gone. Write the last trace record.
+        """
+        self._on_stop.append((False, callback))
 
     def on_launcher_lost(self, callback: Callable[[LauncherLostError], None]) -> None:
-        """Run ``callback`` (from a watchdog thread) if the launcher dies; then the rank exits.
-
-        The callback must be quick and must not touch collectives or the
-        store: both lived in the dead launcher. Write the last trace record.
-        """
-        self._on_lost.append(callback)
+        """Run ``callback`` (from a watchdog thread) only if the launcher dies; see ``on_stopped``."""
+        self._on_stop.append((True, callback))
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,30 +206,36 @@ def _set_parent_death_signal() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
-def _watch_launcher(lifeline: Any, ctx: RankContext, launcher_pid: int, mp_tmp: str | None) -> None:
-    """Block until the launcher's end of ``lifeline`` closes; then stop this rank."""
+def _watch_launcher(control: Any, ctx: RankContext, launcher_pid: int, mp_tmp: str | None) -> None:
+    """Block until the launcher says stop, or its end of ``control`` closes; then stop this rank."""
     try:
-        lifeline.recv_bytes()
+        said = control.recv()
     except EOFError:
-        pass  # the only writer is the launcher: end-of-file is its death
+        said = None  # the only writer is the launcher: end-of-file is its death
+    error: LauncherLostError | RankStoppedError
+    if said is None:
+        error = LauncherLostError(rank=ctx.rank, launcher_pid=launcher_pid)
+        try:
+            os.write(2, f"miles-fsm: {error}\n".encode())
+        except OSError:
+            pass  # stderr went with the launcher (a closed pipe): the trace still says it
     else:
-        raise AssertionError("the launcher never writes to the lifeline")  # pragma: no cover
-    error = LauncherLostError(rank=ctx.rank, launcher_pid=launcher_pid)
-    try:
-        os.write(2, f"miles-fsm: {error}\n".encode())
-    except OSError:
-        pass  # stderr went with the launcher (a closed pipe): the trace still says it
+        error = RankStoppedError(rank=ctx.rank, **said)
     done = threading.Thread(target=_run_callbacks, args=(ctx, error), daemon=True)
     done.start()
     done.join(_LOST_GRACE_S)
-    if mp_tmp is not None:
-        _remove_mp_tmp(Path(mp_tmp))
-    os._exit(EXIT_LAUNCHER_LOST)
+    if said is None:
+        if mp_tmp is not None:
+            _remove_mp_tmp(Path(mp_tmp))
+        os._exit(EXIT_LAUNCHER_LOST)
+    os._exit(EXIT_STOPPED)
 
 
-def _run_callbacks(ctx: RankContext, error: LauncherLostError) -> None:
-    for callback in ctx._on_lost:
-        callback(error)
+def _run_callbacks(ctx: RankContext, error: LauncherLostError | RankStoppedError) -> None:
+    lost = isinstance(error, LauncherLostError)
+    for only_if_lost, callback in ctx._on_stop:
+        if lost or not only_if_lost:
+            callback(error)
 
 
 def _remove_mp_tmp(path: Path) -> None:
@@ -190,18 +261,22 @@ def _child(
     kwargs: Mapping[str, Any],
     results: Any,
     pg_timeout_s: float,
-    lifeline: Any,
+    control: Any,
     launcher_pid: int,
     mp_tmp: str | None,
     env: Mapping[str, str] | None = None,
 ) -> None:
     _set_parent_death_signal()
+    # The launcher stops ranks and says why (the control pipe): a terminal's Ctrl-C reaches every
+    # process of its group at once, and a rank that raised KeyboardInterrupt on its own would read
+    # as a rank that failed.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Before the process group exists: torch reads some settings (the Flight Recorder's) only then.
     os.environ.update(env or {})
     ctx = RankContext(rank=rank, world=world, kwargs=kwargs)
     # First, before anything that could block on the launcher (the store lives there).
     threading.Thread(
-        target=_watch_launcher, args=(lifeline, ctx, launcher_pid, mp_tmp), name="miles-fsm-launcher-watch",
+        target=_watch_launcher, args=(control, ctx, launcher_pid, mp_tmp), name="miles-fsm-launcher-watch",
         daemon=True,
     ).start()
 
@@ -287,9 +362,12 @@ def run_ranks(
     ``env``: variables set in each rank before its process group is made
     (e.g. ``TORCH_FR_BUFFER_SIZE``, which torch reads only then).
 
-    SIGTERM or SIGHUP while it runs kill every rank, then raise
-    ``LaunchInterrupted`` (a ``KeyboardInterrupt``). If this process dies
-    without cleaning up, each rank notices and exits on its own.
+    SIGTERM or SIGHUP while it runs stop every rank, then raise
+    ``LaunchInterrupted`` (a ``KeyboardInterrupt``); Ctrl-C stops every
+    rank, then raises ``KeyboardInterrupt``. Every rank stopped while still
+    running is told why first (``RankContext.on_stopped`` gets a
+    ``RankStoppedError``). If this process dies without cleaning up, each
+    rank notices and exits on its own (``LauncherLostError``).
     """
     import torch.distributed as dist
     from multiprocessing import util
@@ -297,11 +375,11 @@ def run_ranks(
     ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
-    lifeline, keep_alive = ctx.Pipe(duplex=False)
+    controls = [ctx.Pipe(duplex=False) for _ in range(world)]  # (rank's read end, this process's write end)
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world, store.port, dict(kwargs or {}), results, pg_timeout_s or timeout_s, lifeline,
+            args=(fn, r, world, store.port, dict(kwargs or {}), results, pg_timeout_s or timeout_s, controls[r][0],
                   os.getpid(), util.get_temp_dir(), dict(env or {})),
             name=f"miles-fsm-rank-{r}",
             daemon=True,
@@ -311,20 +389,29 @@ def run_ranks(
     outcomes: dict[int, RankOutcome] = {}
     killed: set[int] = set()
     deadline = time.monotonic() + timeout_s
+    why: dict[str, Any] = {"reason": StopReason.LAUNCHER_ERROR}
     try:
         with _stop_on_termination():
             try:
                 for p in procs:
                     p.start()
-                lifeline.close()  # the ranks hold the read end; this process, the only write end
+                for read_end, _ in controls:
+                    read_end.close()  # each rank holds its read end; this process, the only write end
                 _collect(procs, results, outcomes, on_result, deadline, linger_s)
                 _drain(results, procs, outcomes, on_result)
+                failed = sorted(r for r, o in outcomes.items() if not o.ok)
+                why = {"reason": StopReason.PEER_FAILED, "failed": failed} if failed else {"reason": StopReason.TIMEOUT}
+            except KeyboardInterrupt as exc:  # Ctrl-C, or LaunchInterrupted (SIGTERM, SIGHUP)
+                why = {"reason": StopReason.SIGNAL,
+                       "signal": signal.Signals(getattr(exc, "signum", signal.SIGINT)).name}  # fmt: skip
+                raise
             finally:
-                killed = _kill(procs)
+                killed = _stop(procs, [write_end for _, write_end in controls], why)
     finally:
         results.close()
         results.cancel_join_thread()
-        keep_alive.close()  # after every rank is gone: none of them may read it as the launcher's death
+        for _, write_end in controls:
+            write_end.close()  # after every rank is gone: none of them may read it as the launcher's death
     for r, p in enumerate(procs):
         if r not in outcomes:
             outcomes[r] = RankOutcome(r, p.exitcode, killed=r in killed)
@@ -365,13 +452,27 @@ def _drain(results: Any, procs: list[Any], outcomes: dict[int, RankOutcome], on_
             on_result(outcomes[rank])
 
 
-def _kill(procs: list[Any]) -> set[int]:
-    """Stop every rank still alive (SIGTERM, then SIGKILL); the ranks it stopped."""
-    killed = set()
-    for r, p in enumerate(procs):
-        if p.is_alive():
-            p.terminate()
-            killed.add(r)
+def _stop(procs: list[Any], controls: list[Any], why: Mapping[str, Any]) -> set[int]:
+    """Stop every rank still alive and return them: told why first, then SIGTERM, then SIGKILL.
+
+    A rank told why writes its last trace record and exits on its own within
+    ``_STOP_GRACE_S``, even from inside a collective (its watchdog thread
+    reads the message); only one that does not is terminated.
+    """
+    alive = {r for r, p in enumerate(procs) if p.is_alive()}
+    told = set()
+    for r in sorted(alive):
+        try:
+            controls[r].send({k: v.value if isinstance(v, enum.Enum) else v for k, v in why.items()})
+        except (BrokenPipeError, ConnectionResetError):
+            continue  # the rank exited between the check and the send: nothing left to tell
+        told.add(r)
+    end = time.monotonic() + (_STOP_GRACE_S if told else 0.0)
+    for r in sorted(told):
+        procs[r].join(timeout=max(0.0, end - time.monotonic()))
+    for r in sorted(alive):
+        if procs[r].is_alive():
+            procs[r].terminate()
     end = time.monotonic() + _TERM_GRACE_S
     for p in procs:
         if p.pid is None:
@@ -380,4 +481,4 @@ def _kill(procs: list[Any]) -> set[int]:
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
             p.join(timeout=5.0)
-    return killed
+    return alive

@@ -27,6 +27,7 @@ __all__ = [
     "divergence_problems",
     "failure_problems",
     "outside_problems",
+    "outside_stop_problems",
     "stop_problems",
     "undamaged_divergence",
 ]
@@ -176,11 +177,46 @@ def _of_rank(
                    transition=transition, headline=headline, consequence=consequence, decided=decided)  # fmt: skip
 
 
+def outside_stop_problems(stops: list[dict[str, Any]]) -> list[Problem]:
+    """Ranks stopped from outside (``evidence.outside_stops``): one problem per reason, blaming nobody.
+
+    An operator's signal, the run's time limit or the launcher's death stops the run where it stood: the
+    verdict is ``incomplete`` and no rank is a suspect. A stop after another rank failed is that
+    failure's consequence; the failure's own evidence leads.
+    """
+    problems = []
+    by_reason: dict[str, list[dict[str, Any]]] = {}
+    for s in stops:
+        by_reason.setdefault(str(s["reason"]), []).append(s)
+    for reason, group in by_reason.items():
+        first = group[0]
+        ranks = plural_ranks(sorted(s["rank"] for s in group))
+        why = {
+            "signal": f"its launcher got {first['signal'] or 'a signal'} (an operator's or a scheduler's stop) and "
+                      f"stopped {ranks}",
+            "timeout": f"its launcher stopped {ranks} at the run's time limit",
+            "launcher_lost": f"its launcher died, and {ranks} stopped",
+            "peer_failed": f"its launcher stopped {ranks} after {plural_ranks(first['failed'])} failed",
+        }.get(reason, f"its launcher stopped {ranks}")
+        headline = (f"the run was stopped from outside (epoch {first['epoch']}): {why}; no failure recorded before "
+                    "that singles out a rank")
+        problems.append(Problem(verdict=Verdict.INCOMPLETE, position=first["position"], culprits=(),
+                                epoch=first["epoch"], transition=None, headline=headline,
+                                consequence=reason == "peer_failed", decided=False))  # fmt: skip
+    return problems
+
+
 def stop_problems(stuck: list[dict[str, Any]]) -> list[Problem]:
-    """Ranks that stopped: crashed, stuck, or silent with nobody waiting on them (incomplete)."""
+    """Ranks that stopped: crashed, stuck, or silent with nobody waiting on them (incomplete).
+
+    A rank the stop from outside found somewhere (``how == "stopped"``) is no problem of its own: the
+    stop is (``outside_stop_problems``).
+    """
     problems = []
     for s in stuck:
         how = s["how"]
+        if how == "stopped":
+            continue
         decided = True
         if how == "left":
             # On its own error: that error is the failure; having finished cleanly: it did another run's length.

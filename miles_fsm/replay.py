@@ -224,7 +224,8 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             who = f"rank(s) {rank_ranges(c['ranks'])}"
         else:
             who = "undecided" + (f" (suspects: {rank_ranges(c['suspects'])})" if c["suspects"] else "")
-        add((None, f"  culprit: {who} | epoch {c['epoch']} | transition {c['transition']}"))
+        where = f" | transition {c['transition']}" if c["transition"] else " | between transitions"
+        add((None, f"  culprit: {who} | epoch {c['epoch']}{where}"))
     for n in d.notes:
         add(("dim", f"  note: {n}"))
 

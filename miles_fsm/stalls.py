@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from miles_fsm.evidence import CORE_EVENTS
+from miles_fsm.evidence import CORE_EVENTS, stopped_from_outside
 from miles_fsm.ranks import plural_ranks
 from miles_fsm.schema import TRANSITION_CANCELLED, TRANSITION_FINISHED, error_fields
 from miles_fsm.trace_model import FINISHED, RankTrace
@@ -24,6 +24,12 @@ _ERRORS = {"PeerLostError": "lost", "GuardTimeoutError": "timeout"}
 def accusing_kind(transport: str | None, error: str | None) -> str | None:
     """How a recorded failure accuses the ranks it names: ``lost``, ``timeout`` or None (it does not)."""
     return _TRANSPORT.get(transport or "") or _ERRORS.get(error or "")
+
+
+def cut_off(t: RankTrace) -> bool:
+    """The trace ends where the rank was stopped: no ``trace_closed``, or one saying it was stopped from
+    outside (its launcher stopped it, or died). Either way the rank did not end its run itself."""
+    return t.closed is None or stopped_from_outside(t) is not None
 
 
 def left_blaming_others(t: RankTrace) -> bool:
@@ -97,7 +103,7 @@ def accusations(
                 accused[r].append({"kind": kind, "by": by, "position": position, "epoch": f["epoch"],
                                    "transition": f["transition"], "via": via})
     # A failure outside any transition that lost its peer or timed out: the ranks it names, else the cut-off ones.
-    cut = [t.rank for t in traces if t.closed is None and t.state != "FAILED"]
+    cut = [t.rank for t in traces if cut_off(t) and t.state != "FAILED"]
     for f in outside:
         kind = accusing_kind(f["transport"], f["error"])
         if kind is None:
@@ -146,7 +152,7 @@ def stopped(
     wait_pos = max(waiting.values(), default=None)
     # Only accusations that could explain a stop: located faults alone name culprits of other kinds too,
     # unless the rank they name was cut off (its trace has no trace_closed).
-    cut = {t.rank for t in traces if t.closed is None}
+    cut = {t.rank for t in traces if cut_off(t)}
     candidates = {r for r, acc in accused.items() if r in cut or any(a["kind"] != "located" for a in acc)}
     open_elsewhere = [t for t in traces if t.open is not None and t.open.phase != "guard"]
     # Every rank stopped at the same point: the job was stopped from outside, nobody is to blame.
@@ -213,8 +219,16 @@ def _stopped_entry(
         position = at["position"] if at else min((x.positions for x in traces), default=0)
     silent = None if since is None or last_wall is None else max(0.0, last_wall - since)
     how, evidence = _how(r, t, acc)
-    finished = any(x.closed is not None for x in traces if x is not t)
-    if how == "unknown" and t is not None and t.closed is None and not acc and not finished and (
+    finished = any(not cut_off(x) for x in traces if x is not t)
+    stop = None if t is None else stopped_from_outside(t)
+    if how == "unknown" and stop is not None and not acc and (silent is None or bound is None or silent <= bound):
+        # Stopped from outside before anyone recorded a timeout or a lost connection naming it, and silent no
+        # longer than a guard may wait: this is where the stop found it, not evidence that it hung.
+        how = "stopped"
+        evidence = (f"{_stop_cause(stop)} while it was here, {'after an unknown time' if silent is None else f'~{silent:.1f} s'}"
+                    " after its previous record; no rank had recorded a timeout or a lost connection naming it, so "
+                    "nothing singles it out")
+    elif how == "unknown" and t is not None and t.closed is None and not acc and not finished and (
             silent is None or bound is None or silent <= bound):  # fmt: skip
         # Nobody recorded a timeout or a lost connection, no rank has finished, and it has been silent no
         # longer than a guard may wait: a live run replayed mid-flight looks exactly like this. Not stuck,
@@ -225,7 +239,7 @@ def _stopped_entry(
                     f"{limit}, and no rank recorded a timeout or a lost connection naming it: the run may still be "
                     "running, or was stopped from outside; replay it again later, or check the process")
     verb = {"crashed": "crashed", "stuck": "is stuck", "unknown": "stopped", "left": "left the run",
-            "cancelled": "cancelled", "silent": "is silent"}[how]
+            "cancelled": "cancelled", "silent": "is silent", "stopped": "was stopped from outside"}[how]
     if t is None:
         summary = f"rank {r} {verb}: " + ("its trace was not read (--rank)" if unread else "it left no trace")
     elif how == "cancelled":
@@ -262,6 +276,21 @@ def _stopped_entry(
     }
 
 
+def _stop_cause(closed: dict[str, Any]) -> str:
+    """Who stopped a rank from outside, and why, from its ``trace_closed``'s error fields."""
+    if closed.get("error") == "LauncherLostError":
+        return "its launcher died and the rank stopped"
+    fields = error_fields(closed)
+    reason = fields.get("reason")
+    if reason == "signal":
+        return f"its launcher got {fields.get('signal') or 'a signal'} (an operator's or a scheduler's stop) and stopped it"
+    if reason == "timeout":
+        return "its launcher stopped it at the run's time limit"
+    if reason == "peer_failed":
+        return f"its launcher stopped it after {plural_ranks(sorted(fields.get('failed') or ()))} failed"
+    return "its launcher stopped it"
+
+
 def _how(r: int, t: RankTrace | None, acc: list[dict[str, Any]]) -> tuple[str, str]:
     kinds = Counter(a["kind"] for a in acc)
     lost = [a for a in acc if a["kind"] == "lost"]
@@ -278,7 +307,7 @@ def _how(r: int, t: RankTrace | None, acc: list[dict[str, Any]]) -> tuple[str, s
             f"({cancel.get('error') or 'a cancellation'}), so it entered no collective; {plural_ranks(waited)} "
             f"then failed at the guard waiting for it{also}"
         )
-    if t is not None and t.closed is not None and waited:
+    if t is not None and not cut_off(t) and waited:
         # A rank that closed its trace did not crash: it left the lifecycle itself, on its own error or done.
         c = t.closed
         own = "" if c.get("clean") is True else \

@@ -147,11 +147,11 @@ def test_hang_as_a_subprocess_names_the_hung_rank_and_leaves_no_process(tmp_path
     assert "blocked or hung" in lines[1] and "transition_started offload" in lines[1], out
 
 
-@pytest.mark.slow
 def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     """SIGINT to the demo's process group (what Ctrl-C sends) ends the run with 130 and no process left."""
     proc = subprocess.Popen(

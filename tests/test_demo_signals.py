@@ -87,4 +87,73 @@ def test_parent_signal_stops_every_rank_and_leaves_no_healthy_trace(sig, inject,
             assert f"rank {rank}: its launcher (pid {proc.pid}) died" in stderr, stderr
             last = _records(traces, rank)[-1]
             assert (last["event"], last["error"]) == ("trace_closed", "LauncherLostError"), last
+    _assert_replay_blames_nobody(traces, "its launcher " + ("got SIGTERM" if sig == signal.SIGTERM else "died"))
     print(f"SIGNAL {signal.Signals(sig).name} {inject or 'running'}: every process gone {took:.2f} s after")
+
+
+def _default_sigint() -> None:
+    # As from a terminal: a suite started in the background inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _replay(trace_dir: Path) -> tuple[int, dict]:
+    done = subprocess.run([sys.executable, "-m", "miles_fsm", "replay", str(trace_dir), "--json"],
+                          capture_output=True, timeout=60)
+    return done.returncode, orjson.loads(done.stdout)
+
+
+def _assert_replay_blames_nobody(trace_dir: Path, cause: str) -> None:
+    """Replay says the run was stopped from outside, names no culprit and no suspect, and calls no rank
+    crashed or stuck: the operator's stop is no rank's fault."""
+    code, d = _replay(trace_dir)
+    assert (code, d["verdict"]) == (3, "incomplete"), d["headline"]
+    assert "stopped from outside" in d["headline"] and cause in d["headline"], d["headline"]
+    assert d["culprit"]["ranks"] == [] and d["culprit"]["suspects"] == [], d["culprit"]
+    assert not [s for s in d["stuck"] if s["how"] in ("crashed", "stuck")], d["stuck"]
+
+
+@pytest.mark.parametrize(
+    ("sig", "inject"),
+    [(signal.SIGINT, None), (signal.SIGHUP, "hang:1:2"), (signal.SIGTERM, "hang:1:2")],
+    ids=["ctrl-c-running", "SIGHUP-during-a-hang", "SIGTERM-during-a-hang"],
+)
+def test_an_operator_stop_is_recorded_on_every_rank_and_blames_nobody(sig, inject, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's whole process group), SIGHUP or SIGTERM: every rank's trace ends
+    in a trace_closed saying its launcher stopped it on that signal, even a rank hung before its guard
+    and one waiting inside the guard's collective, and replay blames nobody. Before the launcher told
+    its ranks why, they died mid-record and replay named one of them."""
+    traces = tmp_path / "traces"
+    argv = [sys.executable, "-m", "miles_fsm", "demo", "--steps", "300", "--guard-timeout", "30",
+            "--trace-dir", str(traces)] + (["--inject", inject] if inject else [])
+    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, start_new_session=True, preexec_fn=_default_sigint)
+    try:
+        deadline = time.monotonic() + 60
+        while min(_steps(traces, 0), _steps(traces, 1)) < 1:
+            assert time.monotonic() < deadline, "the demo never started its steps"
+            time.sleep(0.05)
+        time.sleep(1.0 if inject else 0.2)  # a hang: rank 1 is inside it and rank 0 waits at the guard
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C does: every process of the group
+        else:
+            os.kill(proc.pid, sig)
+        proc.wait(timeout=MARGIN_S)
+        left = _session(proc.pid)
+        end = time.monotonic() + 5.0
+        while left and time.monotonic() < end:
+            time.sleep(0.05)
+            left = _session(proc.pid)
+    finally:
+        for pid in _session(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not left, f"processes left behind: {sorted(left)}"
+    assert proc.returncode == 128 + sig, (tmp_path / "out").read_text() + (tmp_path / "err").read_text()
+    name = signal.Signals(sig).name
+    for rank in (0, 1):
+        last = _records(traces, rank)[-1]
+        assert (last["event"], last["error"]) == ("trace_closed", "RankStoppedError"), last
+        assert (last["fields"]["reason"], last["fields"]["signal"]) == ("signal", name), last
+    _assert_replay_blames_nobody(traces, f"its launcher got {name}")

@@ -71,9 +71,9 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
         guard=guard,
         trace_meta={"demo": {"steps": kw["steps"], "injections": [":".join(map(str, i)) for i in kw["injections"]]}},
     )
-    # A rank whose launcher died closes its trace with that error, so the
-    # trace never reads as a run that ended well.
-    ctx.on_launcher_lost(lambda error: lc.close(error=error))
+    # A rank stopped from outside (Ctrl-C, SIGTERM, the linger after a peer failed, or its launcher's
+    # death) closes its trace with why, so it reads neither as a run that ended well nor as a crash.
+    ctx.on_stopped(lambda error: lc.close(error=error))
     held: dict[str, int] = {}
     verified: list[int] = []
 
