@@ -11,6 +11,7 @@ out, peers fail) is its consequence, not its cause.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from miles_fsm.problems import (
     undamaged_divergence,
 )
 from miles_fsm.ranks import plural_ranks, rank_ranges
-from miles_fsm.trace_model import RankTrace
+from miles_fsm.trace_model import Damage, RankTrace
 
 __all__ = ["Diagnosis", "Verdict", "diagnose", "rank_ranges"]
 
@@ -101,13 +102,15 @@ def diagnose(
     run: str | None = None,
     ignored: Sequence[str] = (),
     warnings: Sequence[str] = (),
+    misnamed: Sequence[Damage] = (),
 ) -> Diagnosis:
     """Diagnose folded traces (of one run). ``expected``: the ranks asked for (default: the whole world).
 
-    ``ignored`` and ``warnings``: rank files left out as other runs', and what choosing the run found.
+    ``ignored`` and ``warnings``: rank files left out as other runs', and what choosing the run found;
+    ``misnamed``: the directory's names that look like rank files' but are not (damage, besides each file's).
     """
     by_rank = {t.rank: t for t in traces}
-    world = max([t.world for t in traces if t.world] + [max(by_rank, default=-1) + 1])
+    world = rank_summary.world_of(traces)
     wanted = sorted(set(range(world)) if expected is None else set(expected))
     missing = [r for r in wanted if r not in by_rank]
     last_wall = max((t.last_wall for t in traces if t.last_wall is not None), default=None)
@@ -135,7 +138,8 @@ def diagnose(
         *failure_problems(failures, stopped_at=min((s["position"] for s in stuck), default=None)),
         *outside_problems(outside, stopped=bool(stuck)),
     ]
-    trace_problems = rank_summary.trace_problems(traces, missing, run=run, ignored=ignored, warnings=warnings)
+    trace_problems = rank_summary.trace_problems(traces, missing, run=run, ignored=ignored, warnings=warnings,
+                                                 world=world, damaged=misnamed)  # fmt: skip
     verdict, headline, culprit, notes = _judge(problems, traces, missing, trace_problems)
     ranks = [rank_summary.rank_json(t) for t in traces] + [{"rank": r, "status": "missing", "file": None}
                                                            for r in missing]  # fmt: skip
@@ -188,12 +192,16 @@ def _judge(
     later = [p for p in problems if p not in same]
     if later:
         notes.append(f"{len(later)} more problem(s) at or after this point, most likely its consequences (below)")
+    if trace_problems["damaged"]:
+        notes.append(f"the traces are damaged ({_damage(trace_problems['damaged'])}): what they show may be the damage")
     return verdict, headline, culprit, notes
 
 
 def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: dict[str, Any]) -> tuple[str, str]:
     """OK only if every rank's trace ends in a clean ``trace_closed`` and nothing in the files is damaged."""
     reasons = []
+    if tp["damaged"]:
+        reasons.append(f"damaged: {_damage(tp['damaged'])}")
     if missing:
         reasons.append(f"no trace for {plural_ranks(missing)}")
     if tp["lost_records"]:
@@ -235,3 +243,12 @@ def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: dict[str
         f"{n} rank(s), {per} transitions each: no divergence, no stopped rank, no illegal transition, "
         "no verification failure",
     )
+
+
+def _damage(damaged: list[dict[str, Any]]) -> str:
+    """The first few damaged files, each with its first damage (all of it is under ``trace_problems.damaged``)."""
+    first: dict[str, str] = {}
+    for d in damaged:
+        first.setdefault(d["file"], d["reason"])
+    shown = "; ".join(f"{os.path.basename(f)}: {r}" for f, r in list(first.items())[:3])
+    return shown + (f"; and {len(first) - 3} more file(s)" if len(first) > 3 else "")

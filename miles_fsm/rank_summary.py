@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from miles_fsm.evidence import first_line
-from miles_fsm.schema import SCHEMA_VERSION, TRANSITION_FAILED
+from miles_fsm.schema import TRANSITION_FAILED
 from miles_fsm.trace_checks import label
 from miles_fsm.trace_model import FAILED as OUT_FAILED
-from miles_fsm.trace_model import FINISHED, RankTrace
+from miles_fsm.trace_model import FINISHED, Damage, RankTrace
 
-__all__ = ["illegal_json", "rank_json", "trace_problems"]
+__all__ = ["damage_json", "illegal_json", "rank_json", "trace_problems", "world_of"]
+
+
+def world_of(traces: Sequence[RankTrace]) -> int:
+    """The world the files' records give: the one most files give (the smallest of a tie), else the highest
+    rank + 1. A file named beyond it, or giving another, is damage (``trace_problems``), never a wider world:
+    a forged ``rank-1048575.jsonl`` must not make a report of a million missing ranks."""
+    worlds = Counter(t.world for t in traces if t.world is not None)
+    if worlds:
+        top = max(worlds.values())
+        return min(w for w, n in worlds.items() if n == top)
+    return max((t.rank for t in traces), default=-1) + 1
+
+
+def _across_files(traces: Sequence[RankTrace], world: int) -> list[Damage]:
+    """Files at odds with the others: another world, or a rank beyond the world the others give."""
+    out = []
+    for t in traces:
+        if t.world is not None and t.world != world:
+            out.append(Damage(path=t.path, line=0, records=0,
+                              reason=f"its records give world {t.world}; the other files give {world}"))  # fmt: skip
+        if t.rank >= world and not (t.world is not None and t.rank >= t.world):
+            out.append(Damage(path=t.path, line=0, records=0,
+                              reason=f"rank {t.rank} is beyond the world of {world} the traces give"))  # fmt: skip
+    return out
+
+
+def damage_json(d: Damage, rank: int | None) -> dict[str, Any]:
+    return {"file": d.path, "rank": rank, "line": d.line, "records": d.records, "where": d.where, "reason": d.reason}
 
 
 def trace_problems(
@@ -21,8 +50,14 @@ def trace_problems(
     run: str | None = None,
     ignored: Sequence[str] = (),
     warnings: Sequence[str] = (),
+    world: int | None = None,
+    damaged: Sequence[Damage] = (),
 ) -> dict[str, Any]:
-    """What is wrong with the files themselves: bad lines, lost and duplicate records, other runs' files."""
+    """What is wrong with the files themselves: bad lines, lost and duplicate records, other runs' files,
+    and damage that parses (``damaged``: the directory's own, such as look-alike names, then each file's)."""
+    world = world_of(traces) if world is None else world
+    damage = [damage_json(d, None) for d in damaged]
+    damage += [damage_json(d, t.rank) for t in traces for d in [*t.damaged, *_across_files([t], world)]]
     bad = [
         {"file": b.path, "line": b.line, "where": b.where, "reason": b.reason, "text": b.text}
         for t in traces
@@ -46,16 +81,12 @@ def trace_problems(
             warnings.append(f"{t.path}: {len(t.duplicates)} exact duplicate record(s) (a seq seen before), dropped")
         if t.after_close:
             warnings.append(f"{t.path}: {t.after_close} record(s) after its trace_closed")
-        if "rank_in_records" in t.meta:
-            warnings.append(f"{t.path} holds records of rank {t.meta['rank_in_records']}")
-        v = t.meta.get("schema")
-        if v is not None and v != SCHEMA_VERSION:
-            warnings.append(f"{t.path}: schema version {v}; replay reads version {SCHEMA_VERSION}")
     return {
         "bad_lines": bad,
         "truncated": truncated,
         "lost_records": lost,
         "duplicates": duplicates,
+        "damaged": damage,
         "missing_ranks": missing,
         "run": run,
         "ignored": list(ignored),

@@ -28,7 +28,7 @@ from miles_fsm.fr_align import FrReport, explain
 from miles_fsm.perfetto import OutputPathError, check_output
 from miles_fsm.ranks import plural_ranks
 from miles_fsm.trace_checks import MAX_RANKS
-from miles_fsm.trace_files import find_traces
+from miles_fsm.trace_files import rank_files
 from miles_fsm.trace_model import EpochRange, TraceDirError
 from miles_fsm.trace_reader import read_ranks
 from miles_fsm.trace_runs import choose_run
@@ -61,7 +61,8 @@ def replay(
     Raises ``TraceDirError`` (``MixedRunsError`` among them), ``OutputPathError``
     or ``FlightRecorderError`` on bad input.
     """
-    files = find_traces(trace_dir)
+    found = rank_files(trace_dir)
+    files = found.files
     if flight_recorder is not None and not os.path.isdir(flight_recorder):  # before the long read
         raise FlightRecorderError(path=str(flight_recorder), reason="not a directory")
     if perfetto is not None:
@@ -80,7 +81,7 @@ def replay(
         last = max(t.epoch for t in traces)
         raise TraceDirError(trace_dir, f"--epoch {epochs} selects nothing: its traces hold epochs 0-{last}")
     diagnosis = diagnose(traces, expected=wanted, straggler_ratio=straggler_ratio, run=chosen.run,
-                         ignored=chosen.ignored, warnings=chosen.warnings)  # fmt: skip
+                         ignored=chosen.ignored, warnings=chosen.warnings, misnamed=found.misnamed)  # fmt: skip
     report = explain(files, flight_recorder, run=chosen.run)
     if perfetto is not None:
         from miles_fsm.perfetto import export_perfetto
@@ -333,9 +334,12 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
 
     tp = d.trace_problems
     problems = tp["bad_lines"] or tp["truncated"] or tp["lost_records"] or tp["warnings"] or tp["ignored"] \
-        or d.missing_ranks  # fmt: skip
+        or d.missing_ranks or tp["damaged"]  # fmt: skip
     if problems:
         add(("bold", "\nTrace problems"))
+        for x in tp["damaged"][:_LIST_LIMIT]:
+            add((None, f"  {x['where']}: damaged: {x['reason']}"))
+        _more(L, tp["damaged"])
         if d.missing_ranks:
             add((None, f"  no trace file for {plural_ranks(d.missing_ranks)}"))
         for b in tp["bad_lines"][:_LIST_LIMIT]:

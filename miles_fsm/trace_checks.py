@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["I64", "MAX_DEPTH", "MAX_RANKS", "bad_guard", "bad_sig", "invalid", "label", "plain_int"]
+__all__ = ["I64", "MAX_DEPTH", "MAX_RANKS", "bad_action", "bad_guard", "bad_sig", "invalid", "label", "plain_int"]
 
 #: Integers the reader stores in 64-bit arrays must fit them.
 I64 = 1 << 63
@@ -61,6 +61,17 @@ def invalid(rec: Mapping[str, Any]) -> str | None:
     if _depth(rec, MAX_DEPTH) > MAX_DEPTH:
         return f"nested deeper than {MAX_DEPTH} levels"
     return None
+
+
+def bad_action(rec: Mapping[str, Any]) -> str | None:
+    """Why an action record (read by orjson: it has keys ``Lifecycle`` does not write) is not one, or None."""
+    if rec.get("action").__class__ is not str:
+        return "action is not a name"
+    for key in ("duration_s", "bytes_moved", "host_bytes"):
+        v = rec.get(key)
+        if v is not None and v.__class__ is not float and plain_int(v) is None:
+            return f"{key} holds {_kind(v)}, not a number"
+    return invalid(rec)
 
 
 def bad_sig(sig: tuple[Any, ...]) -> str | None:

@@ -1,5 +1,11 @@
 """Finding per-rank trace files and reading them in blocks, never whole.
 
+A rank file is named ``rank-<r>.jsonl`` with ``<r>`` in ASCII digits,
+without leading zeros: the one name ``Tracer`` writes. Any other name of
+that look (``rank-01.jsonl``, ``rank-\u0662.jsonl``, a trailing space) is
+not read as a rank's trace, which it might shadow or stand in for; it is
+listed, and the replay of the directory is then never ok.
+
 Only regular files are read: a FIFO or a device named ``rank-0.jsonl`` would
 block or never end, so it is refused before anything is opened for reading.
 A line longer than a block is not a record any writer makes; it is skipped
@@ -12,14 +18,16 @@ import os
 import re
 import stat
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from miles_fsm.trace_checks import MAX_RANKS
-from miles_fsm.trace_model import TraceDirError
+from miles_fsm.trace_model import Damage, TraceDirError
 
-__all__ = ["MAX_LINE", "OVERSIZED", "blocks", "default_workers", "find_traces", "iter_lines", "preview"]
+__all__ = ["MAX_LINE", "OVERSIZED", "RankFiles", "blocks", "default_workers", "find_traces", "iter_lines", "preview",
+           "rank_files"]  # fmt: skip
 
-_NAME = re.compile(r"^rank-(\d+)\.jsonl$")
+_NAME = re.compile(r"rank-(0|[1-9][0-9]*)\.jsonl")  # fullmatch: "$" would let a trailing newline through
 _BLOCK = 1 << 24
 #: The longest line read; longer ones are reported, not parsed (memory stays bounded).
 MAX_LINE = _BLOCK
@@ -27,8 +35,21 @@ MAX_LINE = _BLOCK
 OVERSIZED = b"<a line over 16 MiB, not read>"
 
 
+@dataclass(frozen=True, slots=True)
+class RankFiles:
+    """A directory's rank files by rank, and the names that look like rank files but are not (damage)."""
+
+    files: dict[int, Path]
+    misnamed: list[Damage]
+
+
 def find_traces(path: str | os.PathLike[str]) -> dict[int, Path]:
     """``rank-<r>.jsonl`` files in a directory, by rank. Rotated ``.jsonl.<n>`` files are older runs."""
+    return rank_files(path).files
+
+
+def rank_files(path: str | os.PathLike[str]) -> RankFiles:
+    """The rank files of a directory, and its look-alike names. Raises ``TraceDirError`` when it holds none."""
     root = Path(path)
     if not root.exists():
         raise TraceDirError(root, "no such directory")
@@ -38,9 +59,11 @@ def find_traces(path: str | os.PathLike[str]) -> dict[int, Path]:
         names = os.listdir(root)
     except OSError as exc:
         raise TraceDirError(root, f"cannot list it ({exc.strerror or exc})") from exc
-    found = {int(m.group(1)): root / n for n in names if (m := _NAME.match(n))}
+    found = {int(m.group(1)): root / n for n in names if (m := _NAME.fullmatch(n))}
+    odd = sorted(n for n in names if _looks_like_a_rank_file(n) and not _NAME.fullmatch(n))
     if not found:
-        raise TraceDirError(root, "holds no rank-<r>.jsonl trace files")
+        also = f" ({', '.join(map(repr, odd[:4]))}: {_NOT_A_NAME})" if odd else ""
+        raise TraceDirError(root, f"holds no rank-<r>.jsonl trace files{also}")
     for rank, p in found.items():
         if rank >= MAX_RANKS:
             raise TraceDirError(p, f"rank {rank} is beyond any world replay reads (at most {MAX_RANKS} ranks)")
@@ -49,7 +72,25 @@ def find_traces(path: str | os.PathLike[str]) -> dict[int, Path]:
         except OSError as exc:
             raise TraceDirError(p, f"cannot read it ({exc.strerror or exc})") from exc
         _check_regular(p, mode)
-    return dict(sorted(found.items()))
+    misnamed = [Damage(path=str(root / n), line=0, records=0, reason=_misnamed(n, found)) for n in odd]
+    return RankFiles(files=dict(sorted(found.items())), misnamed=misnamed)
+
+
+_NOT_A_NAME = "not a rank file name (a rank's trace is rank-<r>.jsonl, <r> in ASCII digits without leading zeros)"
+
+
+def _looks_like_a_rank_file(name: str) -> bool:
+    return name.startswith("rank-") and name.strip().lower().endswith(".jsonl")
+
+
+def _misnamed(name: str, found: dict[int, Path]) -> str:
+    try:
+        rank: int | None = int(name.strip()[len("rank-") : -len(".jsonl")])
+    except ValueError:
+        rank = None
+    beside = f"; it would read as rank {rank}" + (f", beside {found[rank].name}" if rank in found else "") \
+        if rank is not None and rank >= 0 else ""  # fmt: skip
+    return f"{_NOT_A_NAME}: not read{beside}"
 
 
 def _check_regular(path: Path, mode: int) -> None:

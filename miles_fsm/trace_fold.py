@@ -1,13 +1,19 @@
 """The fold of one rank's trace: its records, in order, into a ``RankTrace``.
 
-Action records are most of a trace and only the last one matters to the
-diagnosis (what a stopped rank was inside), so they are recognised by a
-byte search and not parsed. Transition, guard and verify records of the
-shape ``Lifecycle`` writes are decoded by msgspec into one typed struct
-(``miles_fsm.trace_hot``); every other line is parsed with orjson. All are
-folded into per-position arrays: the n-th transition a rank started is its
-position n, which is how ranks are aligned later, by per-rank order and
-epoch, never by wall time.
+Every line is parsed: a line not accounted for could hold anything, and
+replay says ok only when every byte is. Action, transition, guard and
+verify records of the shape ``Lifecycle`` writes, nearly every line, are
+decoded by msgspec into one typed struct (``miles_fsm.trace_hot``); every
+other line is parsed with orjson. All are folded into per-position arrays:
+the n-th transition a rank started is its position n, which is how ranks
+are aligned later, by per-rank order and epoch, never by wall time.
+
+Every record carries its writer's identity: ``v`` (the schema), ``run``,
+``rank`` and ``world``. A record whose ``rank``, ``world`` or ``v`` is not
+the file's (the file's rank, its first record's world, this reader's schema)
+is damage (``Damage``), counted by value with its first line: a copy of
+another rank's file reads as one entry, not a line per record. Another
+``run`` sends the file to the sorted reader, which keeps one run apart.
 
 The fold also re-drives the machine with the recorded triggers, actions not
 run, and notes every transition the machine forbids. The machine is the one
@@ -16,11 +22,11 @@ table (``Definition.describe``), so replay needs no copy of the lifecycle's
 code and reads traces of any machine.
 
 The fold trusts line order only as far as the sequence numbers bear it out:
-at every parsed record, the lines since the last one must account for the
-``seq`` step (a step larger than the lines is lost records; a smaller one
-is disorder or a duplicate, an action line that is not a record, or
-another run). Then it returns False and the reader sorts the records
-first: the check costs a few integer operations per parsed record.
+at every record, the lines since the last one must account for the ``seq``
+step (a step larger than the lines is lost records; a smaller one is
+disorder or a duplicate, or another run). Then it returns False and the
+reader sorts the records first: the check costs a few integer operations
+per record.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Any
 import orjson
 
 from miles_fsm.schema import (
+    ACTION_FINISHED,
     ACTION_STARTED,
+    SCHEMA_VERSION,
     GUARD_ENTERED,
     GUARD_FAILED,
     GUARD_PASSED,
@@ -48,7 +56,7 @@ from miles_fsm.schema import (
     VERIFIED,
     VERIFY_FAILED,
 )
-from miles_fsm.trace_checks import I64, bad_guard, bad_sig, invalid, label, plain_int
+from miles_fsm.trace_checks import I64, MAX_RANKS, bad_action, bad_guard, bad_sig, invalid, label, plain_int
 from miles_fsm.trace_files import preview
 from miles_fsm.trace_hot import HOT_EVENTS, decode_hot, hot_errors
 from miles_fsm.trace_model import (
@@ -59,6 +67,7 @@ from miles_fsm.trace_model import (
     OPEN,
     UNCLOSED,
     BadLine,
+    Damage,
     EpochRange,
     Illegal,
     MachineTable,
@@ -68,8 +77,6 @@ from miles_fsm.trace_model import (
 from miles_fsm.trace_order import bad_line
 
 __all__ = ["fold"]
-
-_ACTION = b'"event":"action_'
 
 
 def fold(
@@ -84,8 +91,11 @@ def fold(
     loads = orjson.loads
     hot = HOT_EVENTS
     decode_error = orjson.JSONDecodeError
-    action = _ACTION
     nan = math.nan
+    rank, version = t.rank, SCHEMA_VERSION
+    world0: Any = _UNSET  # the first record's world: every record must give the same
+    # (field, value) -> [records, first line] of records whose identity is not the file's.
+    foreign: dict[tuple[str, Any], list[int]] = {}
     sig_ids: dict[tuple[Any, ...], int] = {}
     guard_ids: dict[tuple[Any, ...], int] = {NO_GUARD: 0}
     t.guard_table.append(NO_GUARD)
@@ -105,20 +115,15 @@ def fold(
     machine: str | None = None
     pending: str | None = None
     last_action_line = 0
-    last_action = b""
-    # Every action line so far. They are only counted, so a copy of one would make up for a lost one
-    # and the count would still add up; no two records share a seq, so a line seen twice sends the
-    # file to the sorted reader, which drops the exact copy and then sees the gap. Their hashes, not
-    # the lines, keep a long trace's fold small (a writer folds its own at close): two lines that share
-    # one (a copy, or about once in 2**64 a collision) go to the sorted reader, which compares lines.
-    seen_actions: set[int] = set()
+    last_action: Any = None
+    last_action_event = ""
     last_parsed_line = 0
     first_rec: dict[str, Any] | None = None
     last_raw = b""  # the last record's line, parsed once, at the end
     # seq - line + lines skipped, at the last parsed record: it never falls from one record to the next
     # (it rises by the records lost), unless the lines are out of seq order.
     offset = -1
-    # The run of trace_opened; the hot records are not checked against it (another run restarts seq).
+    # The run of trace_opened (or the one asked for): a record of another run sends the file to the sorted reader.
     run0: Any = want_run if run_known else _NO_RUN
     closed_line = closed_skipped = 0
     lo, hi = -I64, I64
@@ -143,27 +148,32 @@ def fold(
                     state=label(state) if state is not None else None, reason=reason)  # fmt: skip
         )
 
+    def identity(line: int, v: Any, r: Any, world: Any) -> None:
+        # Only called when a record's identity differs from the file's (or on the first record).
+        nonlocal world0
+        if world0 is _UNSET:
+            world0 = world
+        for name, value, want in (("rank", r, rank), ("world", world, world0), ("v", v, version)):
+            if value.__class__ is not int or value != want:
+                n = foreign.setdefault((name, label(value) if plain_int(value) is None else value), [0, line])
+                n[0] += 1
+
     def bad(line: int, reason: str, raw: bytes) -> None:
         t.bad.append(BadLine(path=str(path), line=line, reason=reason, text=preview(raw)))
 
     for lines, complete in source:
         for line in lines:
             lineno += 1
-            # Action records are most of a trace; only the last one is ever needed.
-            if complete and line.rfind(action) >= 0 and line[-1:] == b"}":
-                h = hash(line)
-                if h in seen_actions:
-                    return False
-                seen_actions.add(h)
-                last_action_line = lineno
-                last_action = line
-                continue
             try:
                 h = decode_hot(line)
             except hot_errors:
                 h = None
             if h is not None and h.event in hot:
                 rec, event, seq = None, h.event, h.seq
+                if h.run != run0:
+                    return False  # another run's record, or none opened yet: the sorted reader tells
+                if h.rank != rank or h.world != world0 or h.v != version:
+                    identity(lineno, h.v, h.rank, h.world)
             else:
                 h = None
                 try:
@@ -183,6 +193,9 @@ def fold(
                     bad(lineno, "not a trace record", line)
                     continue
                 seq = rec.get("seq")
+                identity_of = rec.get("v"), rec.get("rank"), rec.get("world")
+                if identity_of != (version, rank, world0) or not all(x.__class__ is int for x in identity_of):
+                    identity(lineno, *identity_of)
             if seq.__class__ is not int or (k := seq - lineno + skipped) < offset:
                 return False
             offset = k
@@ -191,7 +204,21 @@ def fold(
             if epochs is not None and (h.epoch if h is not None else rec.get("epoch")) not in epochs \
                     and event != TRACE_OPENED and event != TRACE_CLOSED:  # fmt: skip
                 continue
-            if event == TRANSITION_STARTED:
+            if event == ACTION_STARTED or event == ACTION_FINISHED:
+                # Only the last one matters to the diagnosis (what a stopped rank was inside); each is checked.
+                if h is not None:
+                    act = h.action
+                    why = None if act.__class__ is str else "action is not a name"
+                else:
+                    act, why = rec.get("action"), bad_action(rec)
+                    if why is None and rec.get("run") != run0:
+                        return False
+                if why is not None:
+                    skipped += 1
+                    bad(lineno, f"not a trace record: {why}", line)
+                    continue
+                last_action_line, last_action, last_action_event = lineno, act, event
+            elif event == TRANSITION_STARTED:
                 if h is not None:
                     trigger, source, dest, steps = h.trigger, h.state, h.dest, h.steps
                 else:
@@ -324,9 +351,6 @@ def fold(
                     table = t.table = MachineTable.parse(t.meta.pop("machine", None))
                     if epochs is None and machine is None and table is not None:
                         machine = table.initial
-                if rec.get("rank") != t.rank:
-                    t.meta["rank_in_records"] = label(rec.get("rank")) if plain_int(rec.get("rank")) is None \
-                        else rec.get("rank")  # fmt: skip
             elif event == TRACE_CLOSED:
                 t.closed, closed_line, closed_skipped = rec, lineno, skipped
                 if rec.get("clean") is not True:
@@ -344,27 +368,11 @@ def fold(
                     else:
                         t.note(bool(cur_line), lineno, event, rec)
     last_rec: dict[str, Any] | None = loads(last_raw) if last_parsed_line else None
-    # Action lines are not parsed; the last one is, and its seq must follow from those after the last record.
-    act_rec: dict[str, Any] | None = None
-    if last_action_line:
-        try:
-            act_rec = loads(last_action)
-        except decode_error:
-            return False
-        if not isinstance(act_rec, dict):
-            return False
-        if last_action_line > last_parsed_line:
-            # The action lines after the last parsed record: the last one's seq accounts for them.
-            act_seq = act_rec.get("seq")
-            if act_seq.__class__ is not int or act_seq - lineno + skipped < offset or act_rec.get("run") != (
-                    want_run if run0 is _NO_RUN else run0):  # fmt: skip
-                return False
     if last_rec is not None and last_rec.get("run") != run0:
         return False
     t.lines = lineno
     t.records = lineno - skipped
-    t.max_seq = act_rec["seq"] if act_rec is not None and last_action_line > last_parsed_line \
-        else last_rec["seq"] if last_rec is not None else -1  # fmt: skip
+    t.max_seq = last_rec["seq"] if last_rec is not None else -1
     if closed_line:
         t.after_close = (lineno - closed_line) - (skipped - closed_skipped)
     if run0 is not _NO_RUN:
@@ -374,14 +382,12 @@ def fold(
         t.track(first_rec or last_rec, 0)
     if last_rec is not None:
         t.track(last_rec, last_parsed_line)
-    if act_rec is not None and last_action_line > last_parsed_line:
-        t.track(act_rec, last_action_line)
+    _identity_damage(t, path, world0, foreign)
     if cur_line:
         act = None
-        if act_rec is not None and last_action_line > cur_line:
-            act = act_rec.get("action")
-            act = act if act.__class__ is str else None
-            cur_phase = "step" if act_rec.get("event") == ACTION_STARTED else "between steps"
+        if last_action_line > cur_line:
+            act = last_action
+            cur_phase = "step" if last_action_event == ACTION_STARTED else "between steps"
         cur_rec = loads(cur_raw)
         wall = cur_rec.get("wall")
         t.open = Position(
@@ -398,7 +404,26 @@ def fold(
     return True
 
 
+def _identity_damage(t: RankTrace, path: Path, world: Any, foreign: dict[tuple[str, Any], list[int]]) -> None:
+    """The file's world, and its records whose rank, world or schema is not the file's, as damage."""
+    t.world = world if world.__class__ is int and 0 < world <= MAX_RANKS else None
+    for (name, value), (n, line) in foreign.items():
+        if name == "rank":
+            what = f"of rank {value}, not rank {t.rank}" + (" (a copy or a link of another rank's file?)"
+                                                             if line == 1 and n == t.records else "")  # fmt: skip
+        elif name == "world":
+            what = f"of world {value}" + ("" if t.world is None else f", not the world {t.world} of its first record")
+        else:
+            what = f"of schema v{value}; replay reads v{SCHEMA_VERSION}" + (" (v1 traces are never ok)"
+                                                                            if value == 1 else "")  # fmt: skip
+        t.damaged.append(Damage(path=str(path), line=line, records=n, reason=f"{n} record(s) {what}"))
+    if t.world is not None and t.rank >= t.world:
+        t.damaged.append(Damage(path=str(path), line=0, records=0,
+                                reason=f"rank {t.rank} is beyond the world of {t.world} its records give"))  # fmt: skip
+
+
 _UNCHECKED = object()
+_UNSET = object()
 _NO_RUN = object()
 _COMMON = frozenset(("v", "run", "rank", "world", "epoch", "seq", "mono_ns", "wall", "event", "state", "trigger"))
 #: Records the reader keeps whole (notes) or re-drives the machine with: their fields are checked first.

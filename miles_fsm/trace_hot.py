@@ -1,20 +1,32 @@
 """The records the fold reads most, decoded straight into one typed struct by msgspec.
 
-Transition and guard records are most of what a fold parses; msgspec fills
-the few fields it needs about twice as fast as a dict of every field. Only a
-record of exactly the shape ``Lifecycle`` writes decodes here: an unknown
-field, a value of another type, an integer orjson would not read as one
-(beyond 64 bits) all fail, and the fold then reads the line with orjson as
-before, so a damaged or hostile line is judged by the one reader it always was.
+Action, transition and guard records are nearly every line of a trace, and
+every line is parsed (a line not accounted for could be anything); msgspec
+fills the fields about twice as fast as a dict of every field, and checks
+their types on the way. Only a record of exactly the shape ``Lifecycle``
+writes decodes here: an unknown field, a value of another type, an integer
+orjson would not read as one (beyond 64 bits) all fail, and the fold then
+reads the line with orjson as before, so a damaged or hostile line is judged
+by the one reader it always was. The identity fields (``v``, ``run``,
+``rank``, ``world``) come with every record, so the fold checks them on
+every record at the cost of a few comparisons.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
-from miles_fsm.schema import GUARD_ENTERED, GUARD_PASSED, TRANSITION_FINISHED, TRANSITION_STARTED, VERIFIED
+from miles_fsm.schema import (
+    ACTION_FINISHED,
+    ACTION_STARTED,
+    GUARD_ENTERED,
+    GUARD_PASSED,
+    TRANSITION_FINISHED,
+    TRANSITION_STARTED,
+    VERIFIED,
+)
 
 __all__ = ["HOT_EVENTS", "HotRecord", "decode_hot", "hot_errors"]
 
@@ -24,7 +36,7 @@ _Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class HotRecord(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """A transition, guard or verify record; ``None`` is a field absent or null, as ``dict.get`` has it."""
+    """An action, transition, guard or verify record; ``None`` is a field absent or null, as ``dict.get`` has it."""
 
     event: str
     seq: _Int
@@ -45,9 +57,16 @@ class HotRecord(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     collectives: list[str] | None = None
     tensors: str | _Int | None = None
     duration_s: float | _Int | None = None
+    action: str | None = None
+    bytes_moved: _Int | None = None
+    host_bytes: _Int | None = None
+    # Whatever the host's memory probe returns: not read, only required to be JSON.
+    mem_before: Any = None
+    mem_after: Any = None
 
 
 #: Events whose records the fold takes from a ``HotRecord``.
-HOT_EVENTS = frozenset((TRANSITION_STARTED, TRANSITION_FINISHED, GUARD_ENTERED, GUARD_PASSED, VERIFIED))
+HOT_EVENTS = frozenset((ACTION_STARTED, ACTION_FINISHED, TRANSITION_STARTED, TRANSITION_FINISHED, GUARD_ENTERED,
+                        GUARD_PASSED, VERIFIED))  # fmt: skip
 decode_hot = msgspec.json.Decoder(HotRecord).decode
 hot_errors = (msgspec.DecodeError, msgspec.ValidationError)

@@ -26,21 +26,22 @@ import importlib.util
 import os
 import zlib
 from array import array
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from miles_fsm.trace_model import BadLine, Duplicate, Illegal, MachineTable, Note, Position, RankTrace
+from miles_fsm.trace_model import BadLine, Damage, Duplicate, Illegal, MachineTable, Note, Position, RankTrace
 
-__all__ = ["index_path", "load_index", "write_index"]
+__all__ = ["IndexCheck", "check_index", "index_path", "load_index", "write_index"]
 
 _FORMAT = 1
 _SUFFIX = ".index"
 _ARRAYS = ("epochs", "sigs", "guards", "work_s")
-_RECORDS: dict[str, type] = {"duplicates": Duplicate, "bad": BadLine, "notes": Note, "illegal": Illegal}
+_RECORDS: dict[str, type] = {"duplicates": Duplicate, "bad": BadLine, "damaged": Damage, "notes": Note,
+                             "illegal": Illegal}  # fmt: skip
 _OPTIONAL: dict[str, type] = {"truncated": BadLine, "open": Position}
 # The modules whose code decides what a fold holds: an index folded by other code is not used.
 _READER_MODULES = ("trace_reader", "trace_fold", "trace_hot", "trace_order", "trace_checks", "trace_model",
@@ -90,28 +91,57 @@ def write_index(trace: str | os.PathLike[str], rank: int) -> Path:
     return target
 
 
+@dataclass(frozen=True, slots=True)
+class IndexCheck:
+    """What the index beside a trace says: its fold (None: no index that holds), and whether the trace changed."""
+
+    fold: RankTrace | None = None
+    #: Why the trace is not what its writer closed (its size or CRC-32 differ from the index's); None: not known to.
+    changed: str | None = None
+
+
 def load_index(trace: str | os.PathLike[str], rank: int) -> RankTrace | None:
     """The fold the index of ``trace`` holds, or None when there is none that still describes the trace."""
+    return check_index(trace, rank).fold
+
+
+def check_index(trace: str | os.PathLike[str], rank: int) -> IndexCheck:
+    """The index of ``trace``: its fold while it describes the trace, and whether it proves the trace changed.
+
+    Only an index of this format and this rank can prove a change (its size
+    and CRC-32 are those of the trace at close, whatever reader folded it);
+    any other index is as good as none.
+    """
     trace = Path(trace)
     try:
         raw = index_path(trace).read_bytes()
     except OSError:
-        return None  # no index (or none readable): the lines are read instead, which is never wrong
+        return _NONE  # no index (or none readable): the lines are read instead, which is never wrong
     try:
         doc = _decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return None  # a damaged or foreign index is as good as none
-    if doc.format != _FORMAT or doc.rank != rank or doc.reader != _reader_fingerprint():
-        return None
+        return _NONE  # a damaged or foreign index is as good as none
+    if doc.format != _FORMAT or doc.rank != rank:
+        return _NONE
     try:
-        if trace.stat().st_size != doc.size or _checksum(trace) != (doc.size, doc.crc32):
-            return None
+        size = trace.stat().st_size
+        if size != doc.size:
+            return IndexCheck(changed=f"changed after its writer closed it: {size} bytes now, {doc.size} at close "
+                                     f"(its index says so)")  # fmt: skip
+        if _checksum(trace) != (doc.size, doc.crc32):
+            return IndexCheck(changed=f"changed after its writer closed it: the same {size} bytes, another CRC-32 "
+                                      "than at close (its index says so)")  # fmt: skip
     except OSError:
-        return None  # the fold of the lines reports an unreadable trace properly
+        return _NONE  # the fold of the lines reports an unreadable trace properly
+    if doc.reader != _reader_fingerprint():
+        return _NONE  # folded by other code: the lines are read by this one
     try:
-        return _from_wire(doc.trace, str(trace))
+        return IndexCheck(fold=_from_wire(doc.trace, str(trace)))
     except (KeyError, TypeError, ValueError):
-        return None  # written by this reader, so never expected; the lines still say it all
+        return _NONE  # written by this reader, so never expected; the lines still say it all
+
+
+_NONE = IndexCheck()
 
 
 @cache
@@ -194,9 +224,10 @@ def _from_wire(w: dict[str, Any], path: str) -> RankTrace:
         kw[f.name] = v
     kw["path"] = path  # where the trace is now, not where its writer had it
     t = RankTrace(**kw)
-    if t.bad or t.truncated is not None:
+    if t.bad or t.truncated is not None or t.damaged:
         t.bad = [_moved(b, path) for b in t.bad]
         t.truncated = None if t.truncated is None else _moved(t.truncated, path)
+        t.damaged = [Damage(path=path, line=d.line, records=d.records, reason=d.reason) for d in t.damaged]
     return t
 
 

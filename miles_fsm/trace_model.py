@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_fsm.trace_checks import MAX_RANKS, plain_int
+from miles_fsm.trace_checks import plain_int
 
 __all__ = [
     "CANCELLED",
@@ -22,6 +22,7 @@ __all__ = [
     "OPEN",
     "UNCLOSED",
     "BadLine",
+    "Damage",
     "EpochRange",
     "Illegal",
     "MachineTable",
@@ -94,6 +95,27 @@ class BadLine:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Damage:
+    """What makes a file other than what its writer left, though its lines parse: never ok.
+
+    Records of another rank, world or schema version (a copy of another
+    rank's file, a flipped bit in an identity field), a rank beyond its
+    world, a trace changed after its writer closed it, a name that is not a
+    rank file's. ``line`` is the first line it shows at (0: the whole file)
+    and ``records`` how many records it concerns (0: not counted by record).
+    """
+
+    path: str
+    line: int
+    records: int
+    reason: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}" if self.line else self.path
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Duplicate:
     """A record whose ``seq`` came before: an exact copy is dropped, another record is a bad line."""
 
@@ -146,6 +168,7 @@ class RankTrace:
 
     rank: int
     path: str
+    #: The world size the file's first record gives (None: none, or not a world size); every record must agree.
     world: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     lines: int = 0
@@ -164,6 +187,8 @@ class RankTrace:
     after_close: int = 0
     bad: list[BadLine] = field(default_factory=list)
     truncated: BadLine | None = None
+    #: Damage that parses (``Damage``): the file is not what its writer left.
+    damaged: list[Damage] = field(default_factory=list)
     epochs: array = field(default_factory=lambda: array("q"))
     sigs: array = field(default_factory=lambda: array("l"))
     guards: array = field(default_factory=lambda: array("l"))
@@ -220,7 +245,7 @@ class RankTrace:
         self.notes.append(Note(position=index, line=line, event=event, record=rec))
 
     def track(self, rec: dict[str, Any], line: int) -> None:
-        """Where the trace ends (or starts): this record's clock, event, state, epoch and world."""
+        """Where the trace ends (or starts): this record's clock, event, state and epoch."""
         # Any record can be last, even one the fold found bad: only values of the right type are kept.
         wall, mono = rec.get("wall"), plain_int(rec.get("mono_ns"))
         wall = wall if wall.__class__ in (int, float) and abs(wall) < 1e12 else None
@@ -241,9 +266,6 @@ class RankTrace:
         epoch = plain_int(rec.get("epoch"))
         if epoch is not None:
             self.epoch = epoch
-        world = rec.get("world")
-        if world.__class__ is int and 0 < world <= MAX_RANKS and (self.world is None or world > self.world):
-            self.world = world
 
     def trigger_at(self, index: int) -> str:
         return self.sig_table[self.sigs[index]][0]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from miles_fsm.trace_files import blocks, default_workers
 from miles_fsm.trace_fold import fold
-from miles_fsm.trace_index import load_index
-from miles_fsm.trace_model import EpochRange, RankTrace, TraceDirError
+from miles_fsm.trace_index import check_index
+from miles_fsm.trace_model import Damage, EpochRange, RankTrace, TraceDirError
 from miles_fsm.trace_order import in_seq_order
 
 __all__ = ["read_rank", "read_ranks"]
@@ -62,18 +62,24 @@ def read_rank(
 
     The fold of a whole trace comes from its index (``miles_fsm.trace_index``)
     while the index still describes the file, unless ``use_index`` is False.
+    An index that proves the trace changed after its writer closed it is
+    damage, reported with the fold of the lines.
     """
     path = Path(path)
-    if use_index and epochs is None and run is None:
-        indexed = load_index(path, rank)
-        if indexed is not None:
-            return indexed
+    changed = None
+    if use_index:
+        index = check_index(path, rank)
+        if index.fold is not None and epochs is None and run is None:
+            return index.fold
+        changed = index.changed
     t = RankTrace(rank=rank, path=str(path))
     try:
         if not fold(t, blocks(path), path, epochs, run):
             t = _fold_in_seq_order(rank, path, epochs, run)
     except OSError as exc:
         raise TraceDirError(path, f"cannot read it ({exc.strerror or exc})") from exc
+    if changed is not None:
+        t.damaged.insert(0, Damage(path=str(path), line=0, records=0, reason=changed))
     return t
 
 
@@ -86,6 +92,7 @@ def _fold_in_seq_order(rank: int, path: Path, epochs: EpochRange | None, run: st
     line_of = [0, *o.line_of]
     t.illegal = [replace(i, line=line_of[i.line]) for i in t.illegal]
     t.notes = [replace(n, line=line_of[n.line]) for n in t.notes]
+    t.damaged = [replace(d, line=line_of[d.line]) for d in t.damaged]
     t.bad = sorted([*o.bad, *(replace(b, line=line_of[b.line]) for b in t.bad)], key=lambda b: b.line)
     t.last_line = line_of[t.last_line]
     t.lines, t.truncated, t.duplicates = o.total_lines, o.truncated, o.duplicates
