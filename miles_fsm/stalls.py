@@ -190,6 +190,8 @@ def _stopped_entry(
     decisive = [a for a in acc if a["kind"] != "located"]
     at = min(decisive or acc, key=lambda a: a["position"]) if acc else None
     since = None if t is None else t.last_wall
+    if t is not None and stopped_from_outside(t) is not None and not t.after_close:
+        since = t.prev_wall  # its last record is the stop's: it was last active before that
     if t is None:
         state, epoch, position, transition = None, at["epoch"] if at else None, None, None
         inside = "its trace was not read (left out by --rank)" if unread else "no trace at all"

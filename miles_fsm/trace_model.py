@@ -204,6 +204,9 @@ class RankTrace:
     first_wall: float | None = None
     first_mono_ns: int | None = None
     last_wall: float | None = None
+    #: The wall clock of the record before the last one: where a rank stopped from outside was last
+    #: active, since its last record is the ``trace_closed`` its stop wrote.
+    prev_wall: float | None = None
     last_mono_ns: int | None = None
     last_event: str | None = None
     #: What the last record names: its action, else its trigger (None: neither).
@@ -252,7 +255,7 @@ class RankTrace:
         if self.first_wall is None and wall is not None:
             self.first_wall, self.first_mono_ns = wall, mono
         if wall is not None:
-            self.last_wall = wall
+            self.prev_wall, self.last_wall = self.last_wall, wall
         if mono is not None:
             self.last_mono_ns = mono
         event, subject = rec.get("event"), rec.get("action") or rec.get("trigger")
