@@ -57,6 +57,7 @@ _EXPORTS = {
     "PlannedStep": "miles_fsm.machine",
     "RankDivergenceError": "miles_fsm.errors",
     "RankFailedError": "miles_fsm.errors",
+    "RankRaisedError": "miles_fsm.errors",
     "RecoveryError": "miles_fsm.states.errors",
     "ResumeMemoryError": "miles_fsm.drivers.errors",
     "RolloutWindow": "miles_fsm.states.aio",
@@ -141,6 +142,7 @@ if TYPE_CHECKING:
         ProcessGroupMissingError,
         RankDivergenceError,
         RankFailedError,
+        RankRaisedError,
         TransitionCancelled,
         TransitionNotAllowed,
     )
