@@ -30,6 +30,7 @@ __all__ = [
     "LastSeen",
     "MemoryReleasedError",
     "MilesFsmError",
+    "PeerFailedError",
     "PeerLostError",
     "PeerStepFailedError",
     "ProcessGroupMissingError",
@@ -178,9 +179,14 @@ class LastSeen:
     state: str
     phase: str
     wall: float
+    #: Where a failed rank failed: the step's name as traced (None: in its guard, or no failure).
+    step: str | None = None
+    #: The type of the exception a failed rank raised (None: no failure, or not said).
+    error: str | None = None
 
     def __str__(self) -> str:
-        return f"rank {self.rank}: {self.phase} {self.trigger} from {self.state} (epoch {self.epoch})"
+        said = f" with {self.error}" if self.error else ""
+        return f"rank {self.rank}: {self.phase} {self.trigger} from {self.state} (epoch {self.epoch}){said}"
 
 
 class GuardError(MilesFsmError):
@@ -252,16 +258,19 @@ class GuardTimeoutError(GuardError, TimeoutError):
         missing: Sequence[int],
         last_seen: Mapping[int, LastSeen | None],
         timeout_s: float,
+        failed: Mapping[int, LastSeen] | None = None,
     ) -> None:
         self.epoch = epoch
         self.trigger = trigger
         self.missing = tuple(missing)
         self.last_seen = dict(last_seen)
         self.timeout_s = timeout_s
+        self.failed = dict(failed or {})
         super().__init__(
             f"rank(s) {list_ranks(self.missing)} did not reach the guard of {trigger} (epoch {epoch}) "
             f"within {timeout_s:g} s; {_describe_last(self.missing, self.last_seen)}. "
             "Look at those ranks' traces (`miles-fsm replay`) for what they are stuck in."
+            + _also_failed(self.failed)
         )
 
 
@@ -276,17 +285,42 @@ class PeerLostError(GuardError, ConnectionError):
         missing: Sequence[int],
         last_seen: Mapping[int, LastSeen | None],
         cause: str,
+        failed: Mapping[int, LastSeen] | None = None,
     ) -> None:
         self.epoch = epoch
         self.trigger = trigger
         self.missing = tuple(missing)
         self.last_seen = dict(last_seen)
         self.cause = cause
+        self.failed = dict(failed or {})
         who = f"rank(s) {list_ranks(self.missing)}" if self.missing else "a peer rank"
         super().__init__(
             f"the guard of {trigger} (epoch {epoch}) lost its connection to {who} ({cause}); "
             f"{_describe_last(self.missing, self.last_seen)}. Check whether those processes "
             "crashed (exit code, OOM killer) and read their traces with `miles-fsm replay`."
+            + _also_failed(self.failed)
+        )
+
+
+class PeerFailedError(GuardError, RuntimeError):
+    """Peer ranks failed on their own (a step raised) before this guard; the others cannot pass it.
+
+    ``failed`` holds what each failed rank told the store: the transition,
+    the step (None: its guard) and its exception's type. ``culprits`` are
+    those ranks: their own errors are the cause, this one only follows.
+    """
+
+    def __init__(
+        self, *, epoch: int, trigger: str, failed: Mapping[int, LastSeen], culprits: Sequence[int] | None = None
+    ) -> None:
+        self.epoch = epoch
+        self.trigger = trigger
+        self.failed = dict(failed)
+        self.culprits = tuple(culprits) if culprits else tuple(sorted(self.failed))
+        super().__init__(
+            f"{_failed_text(self.failed)}; so the guard of {trigger} (epoch {epoch}) cannot pass, and this rank "
+            "entered no collective. Their error is the cause: read rank(s) "
+            f"{list_ranks(self.culprits)}'s error and trace first (`miles-fsm replay`); this rank only follows it."
         )
 
 
@@ -304,6 +338,20 @@ class PeerStepFailedError(GuardError, RuntimeError):
             f"{step} of {trigger} (epoch {epoch}) failed on rank(s) {list_ranks(self.ranks)}, which ran it for "
             f"this rank too ({said}); every rank stops here together. Read those ranks' traces first."
         )
+
+
+def _failed_text(failed: Mapping[int, LastSeen]) -> str:
+    """``rank(s) 1 failed: rank 1: RuntimeError in cast_main_to_params of rematerialize (epoch 1)``."""
+    said = "; ".join(
+        f"rank {r}: {s.error or 'an error'} in {s.step} of {s.trigger} (epoch {s.epoch})" if s.step else
+        f"rank {r}: {s.error or 'an error'}, {s.phase} {s.trigger} (epoch {s.epoch})"
+        for r, s in sorted(failed.items())
+    )  # fmt: skip
+    return f"rank(s) {list_ranks(sorted(failed))} failed: {said}"
+
+
+def _also_failed(failed: Mapping[int, LastSeen]) -> str:
+    return f"\nAlso, {_failed_text(failed)}; read their errors first: they may be the cause." if failed else ""
 
 
 def _describe_last(missing: Sequence[int], last_seen: Mapping[int, LastSeen | None]) -> str:

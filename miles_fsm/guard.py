@@ -31,6 +31,7 @@ from miles_fsm.errors import (
     ConfigError,
     GuardTimeoutError,
     LastSeen,
+    PeerFailedError,
     PeerLostError,
     PeerStepFailedError,
     ProcessGroupMissingError,
@@ -44,6 +45,7 @@ __all__ = ["Guard"]
 _SERIALS = itertools.count()
 _ARRIVED = "entered guard of"
 _JOINED = "built its guard"
+_RECOVERED = "recovered from"
 
 #: A rank that waits at a guard longer than this publishes its arrival to the
 #: store, so that if some rank never comes, every rank that did can be told
@@ -219,11 +221,20 @@ class Guard:
         failed = {r: text for r, text in enumerate(said) if text is not None}
         raise PeerStepFailedError(epoch=epoch, trigger=trigger, step=step, ranks=sorted(failed), errors=failed)
 
-    def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str) -> None:
-        """Tell the store that this rank failed, so peers do not call it missing."""
+    def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str, *, step: str | None = None,
+                        error: str | None = None) -> None:  # fmt: skip
+        """Tell the store that this rank failed, so that every peer waiting for it names it, with the
+        step it failed in (None: its guard) and its exception's type, instead of calling it missing.
+        ``phase`` starts with ``"failed"``."""
         if self.world == 1:
             return
-        self._publisher.set_now(_record(intent_epoch, trigger, state, phase))
+        self._publisher.set_now(_record(intent_epoch, trigger, state, phase, step=step, error=error))
+
+    def publish_recovered(self, epoch: int, trigger: str, state: str) -> None:
+        """Tell the store that this rank left its failed state, so that no peer blames that failure later."""
+        if self.world == 1:
+            return
+        self._publisher.set_now(_record(epoch, trigger, state, _RECOVERED))
 
     def last_seen(self) -> dict[int, LastSeen | None]:
         """What the store last heard from each rank (None: nothing, or store unreachable).
@@ -250,27 +261,37 @@ class Guard:
         return f"{self.namespace}last/{rank}"
 
     def _arrived(self, intent: Intent, seen: LastSeen | None) -> bool:
+        # A rank that failed in this very guard came to it: it fails with us, it is not the cause.
         return (
             seen is not None
             and seen.epoch == intent.epoch
             and seen.trigger == intent.trigger
-            and seen.phase == _ARRIVED
+            and (seen.phase == _ARRIVED or (_failed(seen) and seen.step is None))
         )
 
     def _missing_error(self, intent: Intent, exc: RuntimeError, waited: float, limit: float) -> Exception:
         timed_out = waited >= limit * 0.9 or "timed out" in str(exc).lower()
-        missing, seen = self._missing_report(intent, timed_out)
+        missing, failed, seen = self._missing_report(intent, timed_out)
         last = {r: self._best_sighting(r, seen.get(r)) for r in missing}
+        said = {r: seen[r] for r in failed if seen.get(r) is not None}
+        if said and not missing:
+            # Nobody is missing: the ranks that failed on their own stopped this guard.
+            return PeerFailedError(epoch=intent.epoch, trigger=intent.trigger, failed=said)
         if timed_out:
             return GuardTimeoutError(
-                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=limit
+                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=limit,
+                failed=said,
             )
         return PeerLostError(
-            epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0]
+            epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0],
+            failed=said,
         )
 
-    def _missing_report(self, intent: Intent, timed_out: bool) -> tuple[list[int], dict[int, LastSeen | None]]:
-        """Who is missing, and what the store last heard from them, as the reporter read it.
+    def _missing_report(
+        self, intent: Intent, timed_out: bool
+    ) -> tuple[list[int], list[int], dict[int, LastSeen | None]]:
+        """Who is missing, who failed before the guard, and what the store last heard from both, as the
+        reporter read it.
 
         The first survivor to ``add`` to the failure's claim key reads the store and
         publishes the report; the others spend one ``wait`` and one ``get`` on it
@@ -287,26 +308,29 @@ class Guard:
             report = self._wait_report(key)
             if report is not None and self.rank not in report[0]:
                 return report
-        missing, seen = self._poll_missing(intent, timed_out)
+        missing, failed, seen = self._poll_missing(intent, timed_out)
+        named = {r: seen[r] for r in (*missing, *failed)}
         if reporter:
-            sightings = {r: None if seen[r] is None else dataclasses.asdict(seen[r]) for r in missing}
-            body = {"missing": missing, "seen": sightings}
+            sightings = {r: None if s is None else dataclasses.asdict(s) for r, s in named.items()}
+            body = {"missing": missing, "failed": failed, "seen": sightings}
             try:
                 self._store.set(key, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS))
             except RuntimeError:
                 pass  # the store is gone: the others' wait fails too, and they read it themselves
-        return missing, {r: seen[r] for r in missing}
+        return missing, failed, named
 
-    def _wait_report(self, key: str) -> tuple[list[int], dict[int, LastSeen | None]] | None:
+    def _wait_report(self, key: str) -> tuple[list[int], list[int], dict[int, LastSeen | None]] | None:
         try:
             self._store.wait([key], timedelta(seconds=_REPORT_WAIT_S))
             body = orjson.loads(bytes(self._store.get(key)))
         except RuntimeError:  # no report in time (torch's DistStoreError is one), or the store is gone
             return None
         seen = {int(r): None if d is None else LastSeen(**d) for r, d in body["seen"].items()}
-        return list(body["missing"]), seen
+        return list(body["missing"]), list(body["failed"]), seen
 
-    def _poll_missing(self, intent: Intent, timed_out: bool) -> tuple[list[int], dict[int, LastSeen | None]]:
+    def _poll_missing(
+        self, intent: Intent, timed_out: bool
+    ) -> tuple[list[int], list[int], dict[int, LastSeen | None]]:
         deadline = time.monotonic() + (0.0 if timed_out else _ARRIVAL_GRACE_S)
         while True:
             seen = self.last_seen()
@@ -315,8 +339,8 @@ class Guard:
             if not missing or all(_failed(seen[r]) for r in missing) or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        # Ranks that published a failure are not missing: they are failing with us.
-        return [r for r in missing if not _failed(seen[r])], seen
+        # Ranks that published a failure are not missing: they stopped on their own, and are named as failed.
+        return [r for r in missing if not _failed(seen[r])], [r for r in missing if _failed(seen[r])], seen
 
     def _best_sighting(self, rank: int, stored: LastSeen | None) -> LastSeen | None:
         """The store's record if it is a failure; else the last guard all ranks passed together
@@ -350,8 +374,12 @@ def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
-def _record(epoch: int, trigger: str, state: str, phase: str) -> bytes:
-    return orjson.dumps({"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()})
+def _record(epoch: int, trigger: str, state: str, phase: str, *, step: str | None = None,
+            error: str | None = None) -> bytes:  # fmt: skip
+    record = {"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()}
+    if phase.startswith("failed"):
+        record.update(step=step, error=error)
+    return orjson.dumps(record)
 
 
 class _Publisher:

@@ -29,7 +29,7 @@ from miles_fsm.states.errors import RecoveryError
 from miles_fsm.guard import Guard
 from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
 from miles_fsm.plan import Intent
-from miles_fsm.schema import RECOVERED, TRACE_OPENED
+from miles_fsm.schema import RECOVERED, STORE_UNREACHABLE, TRACE_OPENED
 from miles_fsm.states.actions import Actions
 from miles_fsm.states.audit import dump_beside_trace, make_audit
 from miles_fsm.states.planning import TensorSetCache
@@ -368,6 +368,11 @@ class Lifecycle:
                 engine.resume(sorted(engine.paused - target.engine_released_tags))
             # Recorded digests stay: the next resume of this epoch verifies against them.
             failure = self._machine.leave_failed(target)
+            try:  # peers must not blame the failure left behind; the store's host may be gone
+                self._guard.publish_recovered(self.epoch, failure.trigger.value if failure else "", target.value)
+            except RuntimeError as store_exc:
+                self.tracer.emit(STORE_UNREACHABLE, epoch=self.epoch, state=target.value, trigger=None,
+                                 **describe(store_exc))  # fmt: skip
             self.tracer.emit(
                 RECOVERED,
                 epoch=self.epoch,

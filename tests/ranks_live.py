@@ -35,3 +35,30 @@ def one_raises_unpicklable(ctx: RankContext) -> dict[str, Any]:
         raise Unpicklable(f"rank {ctx.rank}'s engine socket broke")
     time.sleep(ctx.kwargs.get("after_s", 0.0))
     return {"rank": ctx.rank, "fine": True}
+
+
+def one_step_raises(ctx: RankContext) -> dict[str, Any]:
+    """Cycles where rank ``kwargs["bad"]``'s rematerialize cast raises; it then exits at once, or waits
+    ``kwargs["stay_s"]`` first (its peers then time out at their guard instead of losing it). Rank
+    ``kwargs.get("hang")`` hangs before its sync guard."""
+    import ranks_engine
+    from miles_fsm import Trigger
+
+    lc, trainer = ranks_engine.build(ctx)
+    lc.start()
+    if ctx.rank == ctx.kwargs["bad"]:
+        trainer.fail_on = "cast_main_to_params"
+    hang = ctx.kwargs.get("hang") == ctx.rank
+
+    def stall() -> None:
+        if hang:
+            time.sleep(3600)
+
+    try:
+        for t in lc.cycle:
+            lc.fire(t, before_guard=stall if t is Trigger.SYNC else None)
+    except RuntimeError:
+        if ctx.rank == ctx.kwargs["bad"]:
+            time.sleep(ctx.kwargs.get("stay_s", 0.0))
+        raise
+    return {"state": lc.state.value}

@@ -24,6 +24,9 @@ SAMPLES = [
                                       detail="ranks [2] lack w"),  # fmt: skip
     engine_errors.GuardTimeoutError(epoch=2, trigger="sync", missing=[1], last_seen={1: _SEEN}, timeout_s=5.0),
     engine_errors.PeerLostError(epoch=2, trigger="sync", missing=[1], last_seen={1: None}, cause="reset"),
+    engine_errors.PeerFailedError(epoch=2, trigger="sync", failed={1: LastSeen(
+        rank=1, epoch=2, trigger="rematerialize", state="PAUSED", phase="failed in cast_main_to_params of", wall=1.0,
+        step="cast_main_to_params", error="RuntimeError")}),
     engine_errors.ConfigError(["a", "b"], "GuardConfig"),
     engine_errors.PeerStepFailedError(epoch=1, trigger="pause", step="engine.push_weights", ranks=[0],
                                       errors={0: "RuntimeError: refused"}),  # fmt: skip

@@ -58,8 +58,9 @@ def _sample(annotation: str, name: str) -> typing.Any:
     """A value of the annotated type, distinct enough that a lost field shows."""
     a = annotation.replace(" ", "")
     if "LastSeen" in a:
-        return {1: LastSeen(rank=1, epoch=2, trigger="sync", state="PAUSED", phase="entered guard of", wall=1.5),
-                2: None}  # fmt: skip
+        seen = {1: LastSeen(rank=1, epoch=2, trigger="sync", state="PAUSED", phase="failed in cast of", wall=1.5,
+                            step="cast", error="RuntimeError")}  # fmt: skip
+        return {**seen, 2: None} if "LastSeen|None]" in a else seen
     if a.startswith("Mapping[str,Mapping"):
         return {"tensor set": {"a": (0, 1), "b": (2,)}}
     if a.startswith("Mapping[str,Sequence[int]]"):
