@@ -32,6 +32,7 @@ __all__ = [
     "MilesFsmError",
     "PeerFailedError",
     "PeerLostError",
+    "PeerNeverJoinedError",
     "PeerStepFailedError",
     "ProcessGroupMissingError",
     "RankDivergenceError",
@@ -321,6 +322,22 @@ class PeerFailedError(GuardError, RuntimeError):
             f"{_failed_text(self.failed)}; so the guard of {trigger} (epoch {epoch}) cannot pass, and this rank "
             "entered no collective. Their error is the cause: read rank(s) "
             f"{list_ranks(self.culprits)}'s error and trace first (`miles-fsm replay`); this rank only follows it."
+        )
+
+
+class PeerNeverJoinedError(GuardError, TimeoutError):
+    """Some ranks never built their guard (their ``Lifecycle``), so nobody's can be built: it is collective."""
+
+    def __init__(self, *, missing: Sequence[int], timeout_s: float, name: str | None = None) -> None:
+        self.missing = tuple(missing)
+        self.timeout_s = timeout_s
+        self.name = name
+        what = f"the guard of lifecycle {name!r}" if name else "their guard"
+        super().__init__(
+            f"rank(s) {list_ranks(self.missing)} never built {what} (their Lifecycle, or Guard.from_group) "
+            f"within {timeout_s:g} s, and building it is collective, so this rank cannot build its own. Their "
+            "process most likely failed before (a driver's __init__ raised): read their error and exit code. "
+            "Every rank must build its Lifecycles, in the same order."
         )
 
 

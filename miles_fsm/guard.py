@@ -33,6 +33,7 @@ from miles_fsm.errors import (
     LastSeen,
     PeerFailedError,
     PeerLostError,
+    PeerNeverJoinedError,
     PeerStepFailedError,
     ProcessGroupMissingError,
     RankDivergenceError,
@@ -43,6 +44,8 @@ from miles_fsm.tracing import new_run_id
 __all__ = ["Guard"]
 
 _SERIALS = itertools.count()
+#: Roll calls are numbered per set of ranks: the n-th over a group is the n-th on each of its ranks.
+_ROLLS: dict[tuple[int, ...], Any] = {}
 _ARRIVED = "entered guard of"
 _JOINED = "built its guard"
 _RECOVERED = "recovered from"
@@ -135,10 +138,13 @@ class Guard:
         world = dist.get_world_size(group)
         if world == 1:
             return cls.solo()
+        store = store if store is not None else _default_store()
+        # Before any collective work: a rank that never comes is named, within the guard's timeout.
+        members = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
+        roll_call(store, members=members, rank=dist.get_rank(group), timeout_s=timeout_s, name=name)
         if group is None or dist.get_backend(group) != "gloo":
             ranks = None if group is None else dist.get_process_group_ranks(group)
             group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
-        store = store if store is not None else _default_store()
         return cls(rank=dist.get_rank(group), world=world, group=group, store=store, timeout_s=timeout_s, name=name)
 
     @property
@@ -368,6 +374,29 @@ class Guard:
             by_rep[rep] = box[0]
         intents = [by_rep[representative[row]] for row in rows]
         return explain_divergence(intents, previous=self._agreed.get(intent.trigger))
+
+def roll_call(store: Any, *, members: tuple[int, ...], rank: int, timeout_s: float, name: str | None = None) -> None:
+    """Return once every rank of a group (``members``: its global ranks; ``rank``: this one's in it) has
+    called it; else raise ``PeerNeverJoinedError`` naming, by group rank, those that never did, after
+    ``timeout_s``. Collective over the group: each of its ranks calls it, in the same order.
+
+    A guard's construction is collective (its gloo group); a rank that never
+    builds it would leave the others in torch's own store wait, which names
+    nobody. Each rank's key says it came; one ``check`` per poll reads them all.
+    """
+    serial = next(_ROLLS.setdefault(members, itertools.count()))
+    ns = f"miles_fsm/roll/{name or 'guard'}.{_hash(','.join(map(str, members))):x}.{serial}/"
+    keys = [f"{ns}{r}" for r in range(len(members))]
+    store.set(keys[rank], b"1")
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            if missing:
+                raise PeerNeverJoinedError(missing=missing, timeout_s=timeout_s, name=name)
+            return
+        time.sleep(_POLL_S * 5)
+
 
 def _hash(text: str) -> int:
     # 63 bits of a stable hash (Python's hash() differs between processes).

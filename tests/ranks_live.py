@@ -62,3 +62,14 @@ def one_step_raises(ctx: RankContext) -> dict[str, Any]:
             time.sleep(ctx.kwargs.get("stay_s", 0.0))
         raise
     return {"state": lc.state.value}
+
+
+def one_never_builds(ctx: RankContext) -> dict[str, Any]:
+    """Rank ``kwargs["bad"]``'s driver raises before it builds its Lifecycle; the others build theirs."""
+    import ranks_engine
+
+    if ctx.rank == ctx.kwargs["bad"]:
+        raise ValueError("the driver's __init__ failed")
+    lc, _ = ranks_engine.build(ctx)
+    lc.start()
+    return {"state": lc.state.value}

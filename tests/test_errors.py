@@ -24,6 +24,7 @@ SAMPLES = [
                                       detail="ranks [2] lack w"),  # fmt: skip
     engine_errors.GuardTimeoutError(epoch=2, trigger="sync", missing=[1], last_seen={1: _SEEN}, timeout_s=5.0),
     engine_errors.PeerLostError(epoch=2, trigger="sync", missing=[1], last_seen={1: None}, cause="reset"),
+    engine_errors.PeerNeverJoinedError(missing=[1], timeout_s=10.0, name="actor"),
     engine_errors.PeerFailedError(epoch=2, trigger="sync", failed={1: LastSeen(
         rank=1, epoch=2, trigger="rematerialize", state="PAUSED", phase="failed in cast_main_to_params of", wall=1.0,
         step="cast_main_to_params", error="RuntimeError")}),
