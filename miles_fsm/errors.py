@@ -4,8 +4,9 @@ Each class keeps its facts as attributes named like its ``__init__``
 keywords and builds its message from them, so a log line, a traceback and
 ``miles-fsm replay`` all say the same thing. ``fields()`` is the one way to
 read those facts: traces record it and replay reads it back, never the
-message text. Errors pickle by their fields, so they cross process
-boundaries (multiprocessing, Ray) as themselves. Each subclasses the stdlib
+message text. Errors pickle as they are (message, fields, notes), so they
+cross process boundaries (multiprocessing, Ray) as themselves; ``crossable``
+turns an exception that would not into a ``RankRaisedError`` stand-in. Each subclasses the stdlib
 error that fits, so callers that do not know miles-fsm still catch them.
 
 Errors of the lifecycle live in ``miles_fsm.states.errors``, errors of the
@@ -29,17 +30,23 @@ __all__ = [
     "LastSeen",
     "MemoryReleasedError",
     "MilesFsmError",
+    "PeerFailedError",
     "PeerLostError",
+    "PeerNeverJoinedError",
     "PeerStepFailedError",
     "ProcessGroupMissingError",
     "RankDivergenceError",
     "RankFailedError",
+    "RankRaisedError",
     "TransitionCancelled",
     "TransitionNotAllowed",
+    "crossable",
     "describe",
     "list_names",
     "list_ranks",
     "plain",
+    "crosses",
+    "message_of",
     "transport_failure",
 ]
 
@@ -66,21 +73,37 @@ class MilesFsmError(Exception):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # A class without an __init__ of its own below this one takes a message
+        # (``Exception``'s ``*args``): it has no facts, only its message.
+        owner = next(c for c in cls.__mro__ if "__init__" in c.__dict__)
+        if not issubclass(owner, MilesFsmError):
+            cls._fields = ()
+            return
         params = inspect.signature(cls.__init__).parameters
-        cls._fields = tuple(n for n, p in params.items() if n != "self" and p.kind is not p.VAR_KEYWORD)
+        cls._fields = tuple(n for n, p in params.items()
+                            if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))  # fmt: skip
 
     def fields(self) -> dict[str, Any]:
-        """The error's facts, by name, as they are (``plain`` makes them JSON-ready)."""
-        return {name: getattr(self, name) for name in self._fields}
+        """The error's facts, by name, as they are (``plain`` makes them JSON-ready).
+
+        A parameter that a user's subclass did not keep as an attribute is no fact: it is left out.
+        """
+        return {name: getattr(self, name) for name in self._fields if hasattr(self, name)}
 
     def __reduce__(self) -> tuple[Any, ...]:
-        kwargs = self.fields()
-        # __dict__ carries what was added after construction, such as add_note()'s notes.
-        return (_rebuild, (type(self), kwargs), dict(self.__dict__))
+        # Rebuilt as it was, not by calling __init__ again: ``args`` holds the message, __dict__ every
+        # fact (and what was added after construction, such as add_note()'s notes). That works for
+        # every subclass, whatever its __init__ takes, and the message comes back as it was said.
+        return (_rebuild, (type(self), self.args), dict(self.__dict__))
 
 
-def _rebuild(cls: type[MilesFsmError], kwargs: dict[str, Any]) -> MilesFsmError:
-    return cls(**kwargs)
+def _rebuild(cls: type[MilesFsmError], args: tuple[Any, ...]) -> MilesFsmError:
+    try:
+        exc = cls.__new__(cls, *args)
+    except TypeError:  # MemoryError's __new__ refuses subclasses ("not safe"); the base's makes the same object
+        exc = BaseException.__new__(cls, *args)
+    exc.args = args
+    return exc
 
 
 def plain(value: Any) -> Any:
@@ -157,9 +180,14 @@ class LastSeen:
     state: str
     phase: str
     wall: float
+    #: Where a failed rank failed: the step's name as traced (None: in its guard, or no failure).
+    step: str | None = None
+    #: The type of the exception a failed rank raised (None: no failure, or not said).
+    error: str | None = None
 
     def __str__(self) -> str:
-        return f"rank {self.rank}: {self.phase} {self.trigger} from {self.state} (epoch {self.epoch})"
+        said = f" with {self.error}" if self.error else ""
+        return f"rank {self.rank}: {self.phase} {self.trigger} from {self.state} (epoch {self.epoch}){said}"
 
 
 class GuardError(MilesFsmError):
@@ -234,16 +262,19 @@ class GuardTimeoutError(GuardError, TimeoutError):
         missing: Sequence[int],
         last_seen: Mapping[int, LastSeen | None],
         timeout_s: float,
+        failed: Mapping[int, LastSeen] | None = None,
     ) -> None:
         self.epoch = epoch
         self.trigger = trigger
         self.missing = tuple(missing)
         self.last_seen = dict(last_seen)
         self.timeout_s = timeout_s
+        self.failed = dict(failed or {})
         super().__init__(
             f"rank(s) {list_ranks(self.missing)} did not reach the guard of {trigger} (epoch {epoch}) "
             f"within {timeout_s:g} s; {_describe_last(self.missing, self.last_seen)}. "
             "Look at those ranks' traces (`miles-fsm replay`) for what they are stuck in."
+            + _also_failed(self.failed)
         )
 
 
@@ -258,17 +289,58 @@ class PeerLostError(GuardError, ConnectionError):
         missing: Sequence[int],
         last_seen: Mapping[int, LastSeen | None],
         cause: str,
+        failed: Mapping[int, LastSeen] | None = None,
     ) -> None:
         self.epoch = epoch
         self.trigger = trigger
         self.missing = tuple(missing)
         self.last_seen = dict(last_seen)
         self.cause = cause
+        self.failed = dict(failed or {})
         who = f"rank(s) {list_ranks(self.missing)}" if self.missing else "a peer rank"
         super().__init__(
             f"the guard of {trigger} (epoch {epoch}) lost its connection to {who} ({cause}); "
             f"{_describe_last(self.missing, self.last_seen)}. Check whether those processes "
             "crashed (exit code, OOM killer) and read their traces with `miles-fsm replay`."
+            + _also_failed(self.failed)
+        )
+
+
+class PeerFailedError(GuardError, RuntimeError):
+    """Peer ranks failed on their own (a step raised) before this guard; the others cannot pass it.
+
+    ``failed`` holds what each failed rank told the store: the transition,
+    the step (None: its guard) and its exception's type. ``culprits`` are
+    those ranks: their own errors are the cause, this one only follows.
+    """
+
+    def __init__(
+        self, *, epoch: int, trigger: str, failed: Mapping[int, LastSeen], culprits: Sequence[int] | None = None
+    ) -> None:
+        self.epoch = epoch
+        self.trigger = trigger
+        self.failed = dict(failed)
+        self.culprits = tuple(culprits) if culprits else tuple(sorted(self.failed))
+        super().__init__(
+            f"{_failed_text(self.failed)}; so the guard of {trigger} (epoch {epoch}) cannot pass, and this rank "
+            "entered no collective. Their error is the cause: read rank(s) "
+            f"{list_ranks(self.culprits)}'s error and trace first (`miles-fsm replay`); this rank only follows it."
+        )
+
+
+class PeerNeverJoinedError(GuardError, TimeoutError):
+    """Some ranks never built their guard (their ``Lifecycle``), so nobody's can be built: it is collective."""
+
+    def __init__(self, *, missing: Sequence[int], timeout_s: float, name: str | None = None) -> None:
+        self.missing = tuple(missing)
+        self.timeout_s = timeout_s
+        self.name = name
+        what = f"the guard of lifecycle {name!r}" if name else "their guard"
+        super().__init__(
+            f"rank(s) {list_ranks(self.missing)} never built {what} (their Lifecycle, or Guard.from_group) "
+            f"within {timeout_s:g} s, and building it is collective, so this rank cannot build its own. Their "
+            "process most likely failed before (a driver's __init__ raised): read their error and exit code. "
+            "Every rank must build its Lifecycles, in the same order."
         )
 
 
@@ -286,6 +358,20 @@ class PeerStepFailedError(GuardError, RuntimeError):
             f"{step} of {trigger} (epoch {epoch}) failed on rank(s) {list_ranks(self.ranks)}, which ran it for "
             f"this rank too ({said}); every rank stops here together. Read those ranks' traces first."
         )
+
+
+def _failed_text(failed: Mapping[int, LastSeen]) -> str:
+    """``rank(s) 1 failed: rank 1: RuntimeError in cast_main_to_params of rematerialize (epoch 1)``."""
+    said = "; ".join(
+        f"rank {r}: {s.error or 'an error'} in {s.step} of {s.trigger} (epoch {s.epoch})" if s.step else
+        f"rank {r}: {s.error or 'an error'}, {s.phase} {s.trigger} (epoch {s.epoch})"
+        for r, s in sorted(failed.items())
+    )  # fmt: skip
+    return f"rank(s) {list_ranks(sorted(failed))} failed: {said}"
+
+
+def _also_failed(failed: Mapping[int, LastSeen]) -> str:
+    return f"\nAlso, {_failed_text(failed)}; read their errors first: they may be the cause." if failed else ""
 
 
 def _describe_last(missing: Sequence[int], last_seen: Mapping[int, LastSeen | None]) -> str:
@@ -352,6 +438,50 @@ class RankFailedError(MilesFsmError, RuntimeError):
             f"a task waited for {waiting_for}; it will not get there until someone calls "
             "recover(to=...) once it is known what state memory is in."
         )
+
+
+class RankRaisedError(MilesFsmError, RuntimeError):
+    """A rank raised an exception that cannot cross to the controller (it does not pickle); this
+    stand-in crosses instead, with the type name, message and traceback text of the original."""
+
+    def __init__(self, *, rank: int, type_name: str, message: str, traceback_text: str) -> None:
+        self.rank = rank
+        self.type_name = type_name
+        self.message = message
+        self.traceback_text = traceback_text
+        super().__init__(
+            f"rank {rank} raised {type_name}: {message} (the exception itself could not be sent to the "
+            "controller, as it does not pickle: its traceback is in traceback_text, below)\n" + traceback_text
+        )
+
+
+def crossable(exc: BaseException, *, rank: int) -> BaseException:
+    """``exc`` if it crosses a process boundary intact, else a ``RankRaisedError`` that keeps its
+    type name, message and traceback text."""
+    import traceback
+
+    if crosses(exc):
+        return exc
+    return RankRaisedError(rank=rank, type_name=type(exc).__qualname__, message=message_of(exc),
+                           traceback_text="".join(traceback.format_exception(exc)))  # fmt: skip
+
+
+def crosses(value: Any) -> bool:
+    """Whether ``value`` survives a pickle round trip: what crossing a process does to it."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(value))
+    except Exception:  # noqa: BLE001 - whatever pickling raises (TypeError, PicklingError, ...), it cannot cross
+        return False
+    return True
+
+
+def message_of(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as broken:  # noqa: BLE001 - a __str__ that raises must not hide the error it describes
+        return f"<str() of it raised {type(broken).__name__}: {broken}>"
 
 
 def describe(exc: BaseException) -> dict[str, Any]:

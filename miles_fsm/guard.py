@@ -31,7 +31,9 @@ from miles_fsm.errors import (
     ConfigError,
     GuardTimeoutError,
     LastSeen,
+    PeerFailedError,
     PeerLostError,
+    PeerNeverJoinedError,
     PeerStepFailedError,
     ProcessGroupMissingError,
     RankDivergenceError,
@@ -42,8 +44,11 @@ from miles_fsm.tracing import new_run_id
 __all__ = ["Guard"]
 
 _SERIALS = itertools.count()
+#: Roll calls are numbered per set of ranks: the n-th over a group is the n-th on each of its ranks.
+_ROLLS: dict[tuple[int, ...], Any] = {}
 _ARRIVED = "entered guard of"
 _JOINED = "built its guard"
+_RECOVERED = "recovered from"
 
 #: A rank that waits at a guard longer than this publishes its arrival to the
 #: store, so that if some rank never comes, every rank that did can be told
@@ -133,10 +138,13 @@ class Guard:
         world = dist.get_world_size(group)
         if world == 1:
             return cls.solo()
+        store = store if store is not None else _default_store()
+        # Before any collective work: a rank that never comes is named, within the guard's timeout.
+        members = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
+        roll_call(store, members=members, rank=dist.get_rank(group), timeout_s=timeout_s, name=name)
         if group is None or dist.get_backend(group) != "gloo":
             ranks = None if group is None else dist.get_process_group_ranks(group)
             group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
-        store = store if store is not None else _default_store()
         return cls(rank=dist.get_rank(group), world=world, group=group, store=store, timeout_s=timeout_s, name=name)
 
     @property
@@ -219,11 +227,20 @@ class Guard:
         failed = {r: text for r, text in enumerate(said) if text is not None}
         raise PeerStepFailedError(epoch=epoch, trigger=trigger, step=step, ranks=sorted(failed), errors=failed)
 
-    def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str) -> None:
-        """Tell the store that this rank failed, so peers do not call it missing."""
+    def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str, *, step: str | None = None,
+                        error: str | None = None) -> None:  # fmt: skip
+        """Tell the store that this rank failed, so that every peer waiting for it names it, with the
+        step it failed in (None: its guard) and its exception's type, instead of calling it missing.
+        ``phase`` starts with ``"failed"``."""
         if self.world == 1:
             return
-        self._publisher.set_now(_record(intent_epoch, trigger, state, phase))
+        self._publisher.set_now(_record(intent_epoch, trigger, state, phase, step=step, error=error))
+
+    def publish_recovered(self, epoch: int, trigger: str, state: str) -> None:
+        """Tell the store that this rank left its failed state, so that no peer blames that failure later."""
+        if self.world == 1:
+            return
+        self._publisher.set_now(_record(epoch, trigger, state, _RECOVERED))
 
     def last_seen(self) -> dict[int, LastSeen | None]:
         """What the store last heard from each rank (None: nothing, or store unreachable).
@@ -250,27 +267,37 @@ class Guard:
         return f"{self.namespace}last/{rank}"
 
     def _arrived(self, intent: Intent, seen: LastSeen | None) -> bool:
+        # A rank that failed in this very guard came to it: it fails with us, it is not the cause.
         return (
             seen is not None
             and seen.epoch == intent.epoch
             and seen.trigger == intent.trigger
-            and seen.phase == _ARRIVED
+            and (seen.phase == _ARRIVED or (_failed(seen) and seen.step is None))
         )
 
     def _missing_error(self, intent: Intent, exc: RuntimeError, waited: float, limit: float) -> Exception:
         timed_out = waited >= limit * 0.9 or "timed out" in str(exc).lower()
-        missing, seen = self._missing_report(intent, timed_out)
+        missing, failed, seen = self._missing_report(intent, timed_out)
         last = {r: self._best_sighting(r, seen.get(r)) for r in missing}
+        said = {r: seen[r] for r in failed if seen.get(r) is not None}
+        if said and not missing:
+            # Nobody is missing: the ranks that failed on their own stopped this guard.
+            return PeerFailedError(epoch=intent.epoch, trigger=intent.trigger, failed=said)
         if timed_out:
             return GuardTimeoutError(
-                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=limit
+                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=limit,
+                failed=said,
             )
         return PeerLostError(
-            epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0]
+            epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0],
+            failed=said,
         )
 
-    def _missing_report(self, intent: Intent, timed_out: bool) -> tuple[list[int], dict[int, LastSeen | None]]:
-        """Who is missing, and what the store last heard from them, as the reporter read it.
+    def _missing_report(
+        self, intent: Intent, timed_out: bool
+    ) -> tuple[list[int], list[int], dict[int, LastSeen | None]]:
+        """Who is missing, who failed before the guard, and what the store last heard from both, as the
+        reporter read it.
 
         The first survivor to ``add`` to the failure's claim key reads the store and
         publishes the report; the others spend one ``wait`` and one ``get`` on it
@@ -287,26 +314,29 @@ class Guard:
             report = self._wait_report(key)
             if report is not None and self.rank not in report[0]:
                 return report
-        missing, seen = self._poll_missing(intent, timed_out)
+        missing, failed, seen = self._poll_missing(intent, timed_out)
+        named = {r: seen[r] for r in (*missing, *failed)}
         if reporter:
-            sightings = {r: None if seen[r] is None else dataclasses.asdict(seen[r]) for r in missing}
-            body = {"missing": missing, "seen": sightings}
+            sightings = {r: None if s is None else dataclasses.asdict(s) for r, s in named.items()}
+            body = {"missing": missing, "failed": failed, "seen": sightings}
             try:
                 self._store.set(key, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS))
             except RuntimeError:
                 pass  # the store is gone: the others' wait fails too, and they read it themselves
-        return missing, {r: seen[r] for r in missing}
+        return missing, failed, named
 
-    def _wait_report(self, key: str) -> tuple[list[int], dict[int, LastSeen | None]] | None:
+    def _wait_report(self, key: str) -> tuple[list[int], list[int], dict[int, LastSeen | None]] | None:
         try:
             self._store.wait([key], timedelta(seconds=_REPORT_WAIT_S))
             body = orjson.loads(bytes(self._store.get(key)))
         except RuntimeError:  # no report in time (torch's DistStoreError is one), or the store is gone
             return None
         seen = {int(r): None if d is None else LastSeen(**d) for r, d in body["seen"].items()}
-        return list(body["missing"]), seen
+        return list(body["missing"]), list(body["failed"]), seen
 
-    def _poll_missing(self, intent: Intent, timed_out: bool) -> tuple[list[int], dict[int, LastSeen | None]]:
+    def _poll_missing(
+        self, intent: Intent, timed_out: bool
+    ) -> tuple[list[int], list[int], dict[int, LastSeen | None]]:
         deadline = time.monotonic() + (0.0 if timed_out else _ARRIVAL_GRACE_S)
         while True:
             seen = self.last_seen()
@@ -315,8 +345,8 @@ class Guard:
             if not missing or all(_failed(seen[r]) for r in missing) or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
-        # Ranks that published a failure are not missing: they are failing with us.
-        return [r for r in missing if not _failed(seen[r])], seen
+        # Ranks that published a failure are not missing: they stopped on their own, and are named as failed.
+        return [r for r in missing if not _failed(seen[r])], [r for r in missing if _failed(seen[r])], seen
 
     def _best_sighting(self, rank: int, stored: LastSeen | None) -> LastSeen | None:
         """The store's record if it is a failure; else the last guard all ranks passed together
@@ -345,13 +375,40 @@ class Guard:
         intents = [by_rep[representative[row]] for row in rows]
         return explain_divergence(intents, previous=self._agreed.get(intent.trigger))
 
+def roll_call(store: Any, *, members: tuple[int, ...], rank: int, timeout_s: float, name: str | None = None) -> None:
+    """Return once every rank of a group (``members``: its global ranks; ``rank``: this one's in it) has
+    called it; else raise ``PeerNeverJoinedError`` naming, by group rank, those that never did, after
+    ``timeout_s``. Collective over the group: each of its ranks calls it, in the same order.
+
+    A guard's construction is collective (its gloo group); a rank that never
+    builds it would leave the others in torch's own store wait, which names
+    nobody. Each rank's key says it came; one ``check`` per poll reads them all.
+    """
+    serial = next(_ROLLS.setdefault(members, itertools.count()))
+    ns = f"miles_fsm/roll/{name or 'guard'}.{_hash(','.join(map(str, members))):x}.{serial}/"
+    keys = [f"{ns}{r}" for r in range(len(members))]
+    store.set(keys[rank], b"1")
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            if missing:
+                raise PeerNeverJoinedError(missing=missing, timeout_s=timeout_s, name=name)
+            return
+        time.sleep(_POLL_S * 5)
+
+
 def _hash(text: str) -> int:
     # 63 bits of a stable hash (Python's hash() differs between processes).
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
-def _record(epoch: int, trigger: str, state: str, phase: str) -> bytes:
-    return orjson.dumps({"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()})
+def _record(epoch: int, trigger: str, state: str, phase: str, *, step: str | None = None,
+            error: str | None = None) -> bytes:  # fmt: skip
+    record = {"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()}
+    if phase.startswith("failed"):
+        record.update(step=step, error=error)
+    return orjson.dumps(record)
 
 
 class _Publisher:

@@ -43,7 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from miles_fsm.errors import MilesFsmError, list_ranks
+from miles_fsm.errors import MilesFsmError, RankRaisedError, crosses, list_ranks, message_of, plain
 
 __all__ = [
     "EXIT_LAUNCHER_LOST",
@@ -190,9 +190,13 @@ class RankOutcome:
 
 def flatten_error(exc: BaseException) -> RankError:
     """An exception as a ``RankError``: its type, message, fields (a miles-fsm error's) and traceback."""
-    # A miles-fsm error's facts are its fields; other errors carry none.
-    attrs = {k: v for k, v in exc.fields().items() if v is not None} if isinstance(exc, MilesFsmError) else {}
-    return RankError(type(exc).__name__, str(exc), attrs, "".join(traceback.format_exception(exc)))
+    if isinstance(exc, RankRaisedError):  # a stand-in for an error that could not cross: say what it stands for
+        return RankError(exc.type_name, exc.message, {"rank": exc.rank}, exc.traceback_text)
+    # A miles-fsm error's facts are its fields; other errors carry none. A fact that cannot
+    # cross the process boundary crosses as its plain (JSON-ready) form, so the outcome still does.
+    attrs = {k: v if crosses(v) else plain(v) for k, v in exc.fields().items() if v is not None} \
+        if isinstance(exc, MilesFsmError) else {}  # fmt: skip
+    return RankError(type(exc).__name__, message_of(exc), attrs, "".join(traceback.format_exception(exc)))
 
 
 def _set_parent_death_signal() -> None:

@@ -354,7 +354,8 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
             exc.add_note(f"miles-fsm: rank {self.guard.rank} is now {failed} "
                          f"({trigger.value}, epoch {epoch}, in {step or 'guard'})")  # fmt: skip
         try:
-            self.guard.publish_failure(epoch, trigger.value, source, f"failed in {step or 'guard'} of")
+            self.guard.publish_failure(epoch, trigger.value, source, f"failed in {step or 'guard'} of", step=step,
+                                       error=type(exc).__name__)  # fmt: skip
         except RuntimeError as store_exc:  # the store's host may be gone; the trace still has it
             self.tracer.emit(STORE_UNREACHABLE, state=failed, **describe(store_exc), **base)
         if self._on_failure is not None:  # after the peers were told: a slow dump must not delay them

@@ -3,9 +3,11 @@
 The controller (this process) hosts the TCPStore, as the local launcher
 does, so the store outlives any actor that dies and the survivors can still
 name it. Each actor joins one gloo process group and runs the function; its
-exception comes back through Ray as itself (miles-fsm errors pickle by their
-fields), kept whole in ``RayOutcome.exception`` beside the flattened
-``RankError``. Every exit path kills the actors that are still alive.
+exception comes back through Ray as itself (miles-fsm errors pickle with their
+message and fields), kept whole in ``RayOutcome.exception`` beside the flattened
+``RankError``; one that does not pickle comes back as a ``RankRaisedError``
+with its type name, message and traceback text, and never costs the other
+ranks' outcomes. Every exit path kills the actors that are still alive.
 
 Ray is an optional dependency: ``pip install ray``.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from miles_fsm.errors import crossable
 from miles_fsm.launch import RankContext, RankOutcome, flatten_error
 
 __all__ = ["RayOutcome", "run_ranks_ray"]
@@ -44,6 +47,12 @@ class _Rank:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         try:
             return fn(RankContext(rank=rank, world=world, kwargs=kwargs))
+        except BaseException as exc:
+            sent = crossable(exc, rank=rank)
+            if sent is exc:
+                raise
+            # Ray could not send it, and would lose its type: the stand-in carries its name, message and traceback.
+            raise sent from None
         finally:
             dist.destroy_process_group()
 
@@ -113,6 +122,8 @@ def _outcome(ray: Any, ref: Any, rank: int, elapsed: float) -> RayOutcome:
         return RayOutcome(rank, 1, None, flatten_error(exc), elapsed, exception=exc)
     except ray.exceptions.RayActorError as err:  # the actor's process died (a crash, a kill)
         return RayOutcome(rank, None, None, None, elapsed, exception=err)
+    except ray.exceptions.RayError as err:  # any other way Ray failed to deliver it: this rank's, not every rank's
+        return RayOutcome(rank, 1, None, flatten_error(err), elapsed, exception=err)
     return RayOutcome(rank, 0, result, None, elapsed)
 
 

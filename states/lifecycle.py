@@ -11,7 +11,9 @@ holds the rules that make it the colocated lifecycle:
   really there, never skipping a verification.
 
 With ``torch.distributed`` initialized, construction is collective: every
-rank must build its ``Lifecycle`` (it creates the guard's gloo group).
+rank must build its ``Lifecycle`` (it creates the guard's gloo group). The
+ranks first wait for each other, up to the guard timeout: one that never
+comes is named by ``PeerNeverJoinedError``, recorded in the others' traces.
 """
 
 from __future__ import annotations
@@ -24,18 +26,18 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from miles_fsm.config import LifecycleConfig
-from miles_fsm.errors import describe
+from miles_fsm.errors import PeerNeverJoinedError, describe
 from miles_fsm.states.errors import RecoveryError
 from miles_fsm.guard import Guard
 from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
 from miles_fsm.plan import Intent
-from miles_fsm.schema import RECOVERED, TRACE_OPENED
+from miles_fsm.schema import GUARD_FAILED, RECOVERED, STORE_UNREACHABLE, TRACE_OPENED
 from miles_fsm.states.actions import Actions
 from miles_fsm.states.audit import dump_beside_trace, make_audit
 from miles_fsm.states.planning import TensorSetCache
 from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
-from miles_fsm.tracing import NullTracer, Tracer, TraceSink
+from miles_fsm.tracing import NullTracer, Tracer, TraceSink, new_run_id
 
 if TYPE_CHECKING:
     from miles_fsm.definition import Definition, Transition
@@ -99,10 +101,14 @@ class Lifecycle:
         self._tensor_sets = TensorSetCache(trainer)
         self._intents: dict[str, Intent] = {}
         self._engine = engine
-        self._guard = guard or Guard.from_group(
-            group, timeout_s=self._config.guard.longest_s, store=store, name=self._config.name
-        )
         strategy = trainer.strategy
+        try:
+            self._guard = guard or Guard.from_group(
+                group, timeout_s=self._config.guard.longest_s, store=store, name=self._config.name
+            )
+        except PeerNeverJoinedError as exc:  # the wait, and who never came, go in this rank's trace
+            self._trace_unbuilt(exc, group, strategy, sink, trace_meta or {})
+            raise
         tracer = self._open_trace(strategy, sink, trace_meta or {})
         self._actions = Actions(trainer=trainer, engine=engine, verify=self._config.verify, tracer=tracer,
                                 calls_engine=engine_leader is not False)  # fmt: skip
@@ -135,20 +141,37 @@ class Lifecycle:
         # Shared by every rank, traced or not: sharing it is collective.
         run_id = self._guard.share_run_id(self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or None)
         self._run_id = run_id  # FR dumps carry it: replay leaves out other runs' dumps
+        return self._tracer(strategy, sink, extra, rank=self._guard.rank, world=self._guard.world, run_id=run_id,
+                            timeout_s=self._guard.timeout_s)  # fmt: skip
+
+    def _trace_unbuilt(self, exc: PeerNeverJoinedError, group: Any, strategy: Strategy, sink: TraceSink | None,
+                       extra: Mapping[str, Any]) -> None:  # fmt: skip
+        """A trace of a lifecycle whose guard could not be built: what it waited for, and who never came."""
+        import torch.distributed as dist
+
+        # No run id can be shared (rank 0 may be the one missing): the given one, else this rank's own.
+        run_id = self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or new_run_id()
+        tracer = self._tracer(strategy, sink, extra, rank=dist.get_rank(group), world=dist.get_world_size(group),
+                              run_id=run_id, timeout_s=exc.timeout_s)  # fmt: skip
+        state = DEFINITION.initial.value
+        tracer.emit(GUARD_FAILED, epoch=0, state=state, trigger="build", **describe(exc))
+        tracer.close(epoch=0, state=state, error=exc)
+
+    def _tracer(self, strategy: Strategy, sink: TraceSink | None, extra: Mapping[str, Any], *, rank: int, world: int,
+                run_id: str, timeout_s: float) -> TraceSink:  # fmt: skip
         meta = {
             "strategy": strategy.value,
-            "guard_timeout_s": self._guard.timeout_s,
+            "guard_timeout_s": timeout_s,
             "lifecycle": self._config.name,
             "machine": DEFINITION.describe(steps=lambda t: [str(s) for s in self._steps(t, strategy)]),
             **extra,
         }
         if sink is not None:
-            sink.emit(TRACE_OPENED, epoch=0, state=None, trigger=None, run=run_id, rank=self._guard.rank,
-                      world=self._guard.world, **meta)  # fmt: skip
+            sink.emit(TRACE_OPENED, epoch=0, state=None, trigger=None, run=run_id, rank=rank, world=world, **meta)
             return sink
         if self._config.trace_dir is None:
             return NullTracer()
-        return Tracer(self._trace_dir, rank=self._guard.rank, world=self._guard.world, run=run_id, **meta)
+        return Tracer(self._trace_dir, rank=rank, world=world, run=run_id, **meta)
 
     @property
     def _trace_dir(self) -> Path | None:
@@ -368,6 +391,11 @@ class Lifecycle:
                 engine.resume(sorted(engine.paused - target.engine_released_tags))
             # Recorded digests stay: the next resume of this epoch verifies against them.
             failure = self._machine.leave_failed(target)
+            try:  # peers must not blame the failure left behind; the store's host may be gone
+                self._guard.publish_recovered(self.epoch, failure.trigger.value if failure else "", target.value)
+            except RuntimeError as store_exc:
+                self.tracer.emit(STORE_UNREACHABLE, epoch=self.epoch, state=target.value, trigger=None,
+                                 **describe(store_exc))  # fmt: skip
             self.tracer.emit(
                 RECOVERED,
                 epoch=self.epoch,

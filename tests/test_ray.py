@@ -83,3 +83,19 @@ def test_the_miles_style_actor_example_runs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and all("wake_up -> TRAINING" in s and "verified bit-exact" in s for s in steps)
+
+
+def test_an_unpicklable_exception_reaches_the_controller_as_a_faithful_stand_in():
+    """Rank 1 raises an exception that does not pickle: the controller gets a RankRaisedError with its
+    type name, message and traceback text, and rank 0's result still comes back."""
+    import ranks_live
+    from miles_fsm.errors import RankRaisedError
+    from miles_fsm.ray_launch import run_ranks_ray
+
+    out = run_ranks_ray(ranks_live.one_raises_unpicklable, 2, timeout_s=90, linger_s=8, kwargs={"bad": 1, "after_s": 0.5})
+    assert out[0].ok and out[0].result == {"rank": 0, "fine": True}, out[0]
+    exc = out[1].exception
+    assert isinstance(exc, RankRaisedError), out[1]
+    assert (exc.rank, exc.type_name, exc.message) == (1, "Unpicklable", "rank 1's engine socket broke")
+    assert "raise Unpicklable" in exc.traceback_text
+    assert out[1].error.type == "Unpicklable" and out[1].error.message == "rank 1's engine socket broke"

@@ -26,6 +26,15 @@ LAUNCHERS = ("local", "ray")
 MAX_GUARD_TIMEOUT_S = 86_400.0
 
 
+#: Faults that stop a rank without an error: only a peer's timeout can notice them.
+_STOPS = ("hang", "stall")
+
+
+def _position(inj: "Injection") -> tuple[int, int]:
+    """When a fault strikes within the run: its step, then hang (before the guard), the others, stall (last)."""
+    return (inj.step, {"hang": 0, "stall": 2}.get(inj.kind, 1))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Injection:
     """One fault: ``kind`` at ``rank`` during RL step ``step`` (1-based)."""
@@ -92,6 +101,9 @@ class DemoConfig:
                 out.append(f"--inject {inj}: step must be in 1..{self.steps}")
             if inj.kind in ("hang", "diverge", "stall", "undeclared") and self.ranks < 2:
                 out.append(f"--inject {inj}: needs --ranks >= 2 (only a peer's guard can notice it)")
+        stuck = self._no_rank_left()
+        if stuck:
+            out.append(stuck)
         if self.layers < 1 or self.dim < 1 or self.heads < 1 or self.dim % self.heads:
             out.append(f"--layers and --dim must be >= 1, --dim a multiple of {self.heads} heads")
         if self.trainer not in TRAINERS:
@@ -103,6 +115,32 @@ class DemoConfig:
         if self.prompt_len + self.new_tokens > self.max_seq:
             out.append(f"prompt_len + new_tokens must be <= max_seq ({self.max_seq})")
         return out
+
+    def _no_rank_left(self) -> str | None:
+        """A problem when every rank stops at one point, and no rank is left waiting on a timer to notice.
+
+        Only a rank waiting at a guard or in a collective times out and names
+        the others. Within a step, a ``hang`` stops a rank before its first
+        guard, the other faults strike in its steps, and a ``stall`` stops it
+        in its train step, after them; one fault per rank and step is armed
+        (the last given). The run ends by itself exactly when the earliest of
+        them is not a stop that every rank shares. Refused rather than bounded
+        at run time: the demo cannot tell a rank that stopped for good from
+        one that is slow (a large model's step), but here it knows in advance.
+        """
+        armed = {(i.rank, i.step): i for i in self.injections if 0 <= i.rank < self.ranks}
+        if not armed or self.ranks < 2:
+            return None
+        first = min(armed.values(), key=_position)
+        if first.kind not in _STOPS:
+            return None
+        stopped = [i for i in armed.values() if _position(i) == _position(first)]
+        if len(stopped) < self.ranks:
+            return None
+        where = "before its first guard" if first.kind == "hang" else "in its train step"
+        return (f"--inject {' '.join(str(i) for i in sorted(stopped, key=lambda i: i.rank))}: every rank stops "
+                f"{where} at step {first.step}, so no rank is left to wait at a guard, time out and name them; "
+                "leave at least one rank out (its guard then names the others)")  # fmt: skip
 
     @property
     def pg_timeout_s(self) -> float:

@@ -112,7 +112,8 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
                 lc.tracer.emit(DEMO_STEP, epoch=lc.epoch, state=lc.state.value, trigger=None, step=step, loss=loss)
         except Exception as exc:  # re-raised below, with the culprit named when the evidence allows
             if lc.state is not State.FAILED and world > 1:  # the lifecycle publishes its own failures
-                guard.publish_failure(lc.epoch, where, lc.state.value, f"failed in {where} of")
+                guard.publish_failure(lc.epoch, where, lc.state.value, f"failed in {where} of",
+                                      error=type(exc).__name__)  # fmt: skip
             if lc.state is not State.FAILED:  # the lifecycle dumps its own failures' recorder too
                 lc.dump_flight_recorder(trigger=where, epoch=lc.epoch, step=None, error=type(exc).__name__)
             located = locate(exc, rank=rank, world=world, guard=guard, trainer=trainer)
