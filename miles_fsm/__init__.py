@@ -42,6 +42,7 @@ _EXPORTS = {
     "Intent": "miles_fsm.plan",
     "LastSeen": "miles_fsm.errors",
     "LauncherLostError": "miles_fsm.launch",
+    "RankStoppedError": "miles_fsm.launch",
     "Lifecycle": "miles_fsm.states.lifecycle",
     "LifecycleConfig": "miles_fsm.config",
     "Machine": "miles_fsm.machine",
@@ -155,6 +156,7 @@ if TYPE_CHECKING:
     )
     from miles_fsm.launch import (  # noqa: F401
         LauncherLostError,
+        RankStoppedError,
     )
     from miles_fsm.flight_recorder import FlightRecorderError  # noqa: F401
     from miles_fsm.machine import (  # noqa: F401

@@ -190,8 +190,9 @@ def _stopped_entry(
     decisive = [a for a in acc if a["kind"] != "located"]
     at = min(decisive or acc, key=lambda a: a["position"]) if acc else None
     since = None if t is None else t.last_wall
-    if t is not None and stopped_from_outside(t) is not None and not t.after_close:
-        since = t.prev_wall  # its last record is the stop's: it was last active before that
+    stop = None if t is None else stopped_from_outside(t)
+    if stop is not None and not t.after_close:
+        since = (t.before_close or {}).get("wall")  # its last record is the stop's: it was last active before
     if t is None:
         state, epoch, position, transition = None, at["epoch"] if at else None, None, None
         inside = "its trace was not read (left out by --rank)" if unread else "no trace at all"
@@ -213,16 +214,19 @@ def _stopped_entry(
         inside = f"between transitions: it finished {done}" + (f" and never started {transition}" if transition else "")
         if cancelled_at(t) is not None:
             inside = f"{done}, which it cancelled before its guard: it entered no collective"
-        elif t.last_event != TRANSITION_FINISHED and t.last_event is not None:
-            # Its last record is outside the lifecycle's transitions (a guarded train step, a driver's own).
-            inside = f"between transitions: it finished {done}, and its last record is {t.last_event}" + (
-                f" of {t.last_subject}" if t.last_subject else "")
+        else:
+            last_event, last_subject = t.last_event, t.last_subject
+            if stop is not None and t.before_close is not None:  # the stop wrote the close: what came before
+                last_event, last_subject = t.before_close["event"], t.before_close["subject"]
+            if last_event != TRANSITION_FINISHED and last_event is not None:
+                # Its last record is outside the lifecycle's transitions (a guarded train step, a driver's own).
+                inside = f"between transitions: it finished {done}, and its last record is {last_event}" + (
+                    f" of {last_subject}" if last_subject else "")
     if position is None:
         position = at["position"] if at else min((x.positions for x in traces), default=0)
     silent = None if since is None or last_wall is None else max(0.0, last_wall - since)
     how, evidence = _how(r, t, acc)
     finished = any(not cut_off(x) for x in traces if x is not t)
-    stop = None if t is None else stopped_from_outside(t)
     if how == "unknown" and stop is not None and not acc and (silent is None or bound is None or silent <= bound):
         # Stopped from outside before anyone recorded a timeout or a lost connection naming it, and silent no
         # longer than a guard may wait: this is where the stop found it, not evidence that it hung.

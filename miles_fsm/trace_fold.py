@@ -120,6 +120,7 @@ def fold(
     last_parsed_line = 0
     first_rec: dict[str, Any] | None = None
     last_raw = b""  # the last record's line, parsed once, at the end
+    prev_raw = b""  # the one before: what a rank did last before its trace_closed
     # seq - line + lines skipped, at the last parsed record: it never falls from one record to the next
     # (it rises by the records lost), unless the lines are out of seq order.
     offset = -1
@@ -200,7 +201,7 @@ def fold(
                 return False
             offset = k
             last_parsed_line = lineno
-            last_raw = line
+            prev_raw, last_raw = last_raw, line
             if epochs is not None and (h.epoch if h is not None else rec.get("epoch")) not in epochs \
                     and event != TRACE_OPENED and event != TRACE_CLOSED:  # fmt: skip
                 continue
@@ -353,6 +354,8 @@ def fold(
                         machine = table.initial
             elif event == TRACE_CLOSED:
                 t.closed, closed_line, closed_skipped = rec, lineno, skipped
+                if prev_raw:
+                    t.note_before_close(loads(prev_raw))
                 if rec.get("clean") is not True:
                     t.note(bool(cur_line), lineno, event, rec)
             else:

@@ -204,9 +204,9 @@ class RankTrace:
     first_wall: float | None = None
     first_mono_ns: int | None = None
     last_wall: float | None = None
-    #: The wall clock of the record before the last one: where a rank stopped from outside was last
-    #: active, since its last record is the ``trace_closed`` its stop wrote.
-    prev_wall: float | None = None
+    #: The record before ``trace_closed``, in brief (``event``, ``subject``: its action or trigger,
+    #: ``wall``): where a rank stopped from outside was last active, since its stop wrote the close.
+    before_close: dict[str, Any] | None = None
     last_mono_ns: int | None = None
     last_event: str | None = None
     #: What the last record names: its action, else its trigger (None: neither).
@@ -255,7 +255,7 @@ class RankTrace:
         if self.first_wall is None and wall is not None:
             self.first_wall, self.first_mono_ns = wall, mono
         if wall is not None:
-            self.prev_wall, self.last_wall = self.last_wall, wall
+            self.last_wall = wall
         if mono is not None:
             self.last_mono_ns = mono
         event, subject = rec.get("event"), rec.get("action") or rec.get("trigger")
@@ -269,6 +269,15 @@ class RankTrace:
         epoch = plain_int(rec.get("epoch"))
         if epoch is not None:
             self.epoch = epoch
+
+    def note_before_close(self, rec: dict[str, Any]) -> None:
+        """Keep ``rec``, the record just before ``trace_closed``, in brief (only values of the right type)."""
+        event, subject, wall = rec.get("event"), rec.get("action") or rec.get("trigger"), rec.get("wall")
+        self.before_close = {
+            "event": event if event.__class__ is str else None,
+            "subject": subject if subject.__class__ is str else None,
+            "wall": wall if wall.__class__ in (int, float) and abs(wall) < 1e12 else None,
+        }
 
     def trigger_at(self, index: int) -> str:
         return self.sig_table[self.sigs[index]][0]

@@ -220,6 +220,11 @@ class Lifecycle:
     def tracer(self) -> TraceSink:
         return self._machine.tracer
 
+    @property
+    def guard(self) -> Guard:
+        """The consensus guard every transition agrees through (the one given, or the one built)."""
+        return self._guard
+
     def allowed(self) -> tuple[Trigger, ...]:
         """Triggers that may fire now."""
         return self._machine.allowed()

@@ -94,7 +94,7 @@ def _rank_lines(out: str) -> dict[int, str]:
         ("crash", "rematerialize", "FaultLocatedError"),  # dies inside param_sync: rank 0 is in the all-gather
         ("crash", "backup", "PeerLostError"),  # dies inside restore: rank 0 finds it gone at the next guard
         ("corrupt", "rematerialize", "FaultLocatedError"),
-        ("corrupt", "backup", "FaultLocatedError"),
+        ("corrupt", "backup", "PeerFailedError"),  # rank 1 fails its verify; rank 0 is told so at the next guard
     ],
 )
 def test_injected_fault_names_the_culprit_and_everyone_exits_in_time(

@@ -62,6 +62,7 @@ SAMPLES = [
     app_errors.FaultLocatedError(rank=0, culprits=[1], evidence="its pid is gone", cause="PeerLostError"),
     app_errors.TraceDirUnusableError(path="/ro/traces", reason="Read-only file system"),
     launch.LauncherLostError(rank=1, launcher_pid=4242),
+    launch.RankStoppedError(rank=1, reason="peer_failed", failed=[0]),
     engine_errors.RankRaisedError(rank=1, type_name="OSError", message="socket closed", traceback_text="Traceback ..."),
 ]
 

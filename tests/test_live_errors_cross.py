@@ -83,6 +83,8 @@ def _sample(annotation: str, name: str) -> typing.Any:
         return True
     if name == "how":
         return "changed"
+    if a.startswith("StopReason"):
+        return "peer_failed"
     return f"{name}-value"
 
 

@@ -132,10 +132,12 @@ def _apply(root: Path, world: int, kind: str, n: int) -> None:
             path.write_bytes(b)
             other.write_bytes(a)
         else:
+            # Read first: ``other`` may be a symlink to this very file (an earlier damage).
+            data = other.read_bytes() if kind == "copy" and other.exists() else None
             path.unlink()
-            if kind == "copy":
-                path.write_bytes(other.read_bytes())
-            else:
+            if data is not None:
+                path.write_bytes(data)
+            elif kind == "symlink":
                 os.symlink(other.name, path)
         return
     path.write_bytes(b"\n".join(lines) + b"\n")
@@ -180,6 +182,7 @@ def _replay(capsys, root: Path, *extra: str) -> tuple[int, dict[str, Any] | None
 @example(world=2, cycles=1, fault=None, at=0, damages=[("copy", 0)])
 @example(world=3, cycles=1, fault=None, at=0, damages=[("symlink", 1)])
 @example(world=2, cycles=1, fault=None, at=0, damages=[("swap", 0)])
+@example(world=2, cycles=1, fault=None, at=0, damages=[("symlink", 0), ("copy", 1)])  # a copy of a symlink to itself
 @example(world=2, cycles=1, fault=None, at=0, damages=[("edit_identity", 2)])
 @example(world=2, cycles=1, fault=None, at=0, damages=[("flip", 7)])
 def test_damaged_traces_never_crash_and_ok_means_healthy(capsys, world, cycles, fault, at, damages):

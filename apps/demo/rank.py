@@ -37,7 +37,6 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
     from miles_fsm.drivers.reference import ModelConfig, TrainerConfig
     from miles_fsm.drivers.reference_engine import EngineConfig, ReferenceEngine
-    from miles_fsm.guard import Guard
     from miles_fsm.states import State, Trigger
     from miles_fsm.states.lifecycle import Lifecycle
 
@@ -58,7 +57,7 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
         import torch.distributed as dist
 
         trainer.side_group = dist.new_group(backend="gloo", group_desc="demo_side")
-    guard = Guard.from_default_group(timeout_s=kw["guard_timeout_s"])
+    # The lifecycle builds its guard: a rank that never comes is then named in this rank's trace too.
     lc = Lifecycle(
         trainer=trainer,
         engine=engine,
@@ -68,9 +67,9 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
             trace_dir=Path(kw["trace_dir"]),
             run_id=kw["run_id"],
         ),
-        guard=guard,
         trace_meta={"demo": {"steps": kw["steps"], "injections": [":".join(map(str, i)) for i in kw["injections"]]}},
     )
+    guard = lc.guard
     # A rank stopped from outside (Ctrl-C, SIGTERM, the linger after a peer failed, or its launcher's
     # death) closes its trace with why, so it reads neither as a run that ended well nor as a crash.
     ctx.on_stopped(lambda error: lc.close(error=error))

@@ -25,6 +25,7 @@ from typing import Any
 
 from miles_fsm.apps.demo.config import DemoConfig
 from miles_fsm.diagnosis import Diagnosis
+from miles_fsm.evidence import stopped_from_outside
 from miles_fsm.launch import RankOutcome
 from miles_fsm.trace_model import RankTrace
 
@@ -133,8 +134,12 @@ def trace_end(t: RankTrace | None) -> str:
     """The last record of a rank's trace, in words: event, the action or trigger it names, state, epoch."""
     if t is None or not t.records:
         return "nothing (no trace)"
-    what = t.last_subject
-    return f"{t.last_event} {what or ''} in {t.state} (epoch {t.epoch})".replace("  ", " ")
+    event, what = t.last_event, t.last_subject
+    if stopped_from_outside(t) is not None and t.before_close is not None:
+        # The stop wrote the close: where it found the rank is the record before.
+        event, what = t.before_close["event"], t.before_close["subject"]
+        return f"{event} {what or ''} in {t.state} (epoch {t.epoch}), then its stop's trace_closed".replace("  ", " ")
+    return f"{event} {what or ''} in {t.state} (epoch {t.epoch})".replace("  ", " ")
 
 
 def _clip(text: str, limit: int = 240) -> str:
