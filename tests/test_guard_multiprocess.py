@@ -28,13 +28,16 @@ def test_one_rank_with_another_tensor_set_fails_every_rank_before_the_collective
     frozen, every_transition, caught_at, assert_no_leftovers
 ):
     """b. A rank that alone treats a param as frozen makes every rank raise RankDivergenceError,
-    naming it and the tensor, and no rank enters the param all-gather. Guarding every transition
-    (the default) catches it at the first one; guarding only collectives, at the first sync."""
+    showing it and the tensor, and no rank enters the param all-gather. Guarding every transition
+    (the default) catches it at the first one; guarding only collectives, at the first sync. With no
+    earlier agreement, being alone is no evidence (two ranks sharing a bug would make the healthy
+    one alone): the error suspects every rank of the differing groups and says it is undecided."""
     kwargs = {"frozen": {2: [frozen]}, "every_transition": every_transition}
     out = run_ranks(ranks_engine.cycles, 3, timeout_s=60, kwargs=kwargs)
     for o in out:
         assert o.error is not None and o.error.type == "RankDivergenceError", o
-        assert o.error.attrs["culprits"] == (2,)
+        assert (o.error.attrs["culprits"], o.error.attrs["how"]) == ((0, 1, 2), "undecided")
+        assert "Undecided" in o.error.message
         assert o.error.attrs["field"] == "tensor set"
         assert f"ranks [2] lack {frozen}" in o.error.message
         assert o.exitcode == 1
@@ -120,10 +123,12 @@ def test_double_pause_is_refused(assert_no_leftovers):
 
 def test_train_step_guard_catches_a_different_collective_plan(assert_no_leftovers):
     """Lifecycle.agree_on guards a step outside the lifecycle: a rank planning another
-    reduce-scatter size is named on every rank, and the state stays TRAINING."""
+    reduce-scatter size fails every rank on the collective plan, and the state stays TRAINING. At this
+    first train guard no earlier agreement singles it out: every rank of the differing groups is a suspect."""
     out = run_ranks(ranks_engine.train_guard, 3, timeout_s=60, kwargs={"odd_rank": 0})
     for o in out:
         assert o.ok, o.error
-        assert o.result == {"error": "RankDivergenceError", "field": "collective plan", "culprits": (0,), "state": "TRAINING"}
+        assert o.result == {"error": "RankDivergenceError", "field": "collective plan", "culprits": (0, 1, 2),
+                            "state": "TRAINING"}  # fmt: skip
     agreeing = run_ranks(ranks_engine.train_guard, 2, timeout_s=60)
     assert [o.result for o in agreeing] == [{"error": None, "state": "TRAINING"}] * 2

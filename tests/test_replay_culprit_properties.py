@@ -41,17 +41,34 @@ def _cuts() -> list[tuple[int, str | None]]:
 CUTS = _cuts()
 
 
-def _write_live(root: Path, cycles: int, cuts: list[int], pauses: list[float]) -> None:
+#: How a launcher's stop closes each rank's trace (``RankContext.on_stopped``): None leaves it open (a live
+#: run, or one killed without a word).
+STOPS: dict[str | None, dict[str, Any] | None] = {
+    None: None,
+    "SIGINT": {"error": "RankStoppedError", "message": "stopped by its launcher",
+               "fields": {"reason": "signal", "signal": "SIGINT", "failed": []}},
+    "timeout": {"error": "RankStoppedError", "message": "stopped by its launcher",
+                "fields": {"reason": "timeout", "signal": None, "failed": []}},
+    "launcher died": {"error": "LauncherLostError", "message": "its launcher died",
+                      "fields": {"launcher_pid": 4242}},
+}
+
+
+def _write_live(root: Path, cycles: int, cuts: list[int], pauses: list[float], stop: str | None = None) -> None:
     for r, (c, pause) in enumerate(zip(cuts, pauses)):
         w = RankWriter(r, len(cuts))
         w.cycles(cycles)
-        upto, stop = CUTS[c]
+        upto, inside = CUTS[c]
         for i, trig in enumerate(CYCLE[: upto + 1]):
             if i == upto:
                 w.emit("demo_tick", dt=pause)  # ranks fall silent at different moments, within the guard's wait
-                w.transition(trig.value, stop=stop)
+                w.transition(trig.value, stop=inside)
             else:
                 w.transition(trig.value)
+        closing = STOPS[stop]
+        if closing is not None:
+            # The stop comes a little after the rank's last record.
+            w.close(dt=0.5, **{**closing, "fields": {"rank": r, **closing["fields"]}})
         w.write(root, close=False)
 
 
@@ -65,16 +82,20 @@ def _replay(capsys: Any, root: Path) -> tuple[int, dict[str, Any]]:
     data=st.data(),
     world=st.integers(2, 5),
     cycles=st.integers(1, 2),
+    stop=st.sampled_from(list(STOPS)),
 )
-def test_a_live_or_stopped_run_names_no_culprit(capsys, data, world, cycles):
-    """Each rank cut anywhere between the last common guard and waiting at the next: no culprit, nobody stuck
-    or crashed, exit 3 (not a finished run), and the headline says the job is running or was stopped."""
+def test_a_live_or_stopped_run_names_no_culprit(capsys, data, world, cycles, stop):
+    """Each rank cut anywhere between the last common guard and waiting at the next, then left open (live) or
+    closed by its launcher's stop: no culprit, nobody stuck or crashed, exit 3 (not a finished run), and a
+    stopped run's headline says it was stopped from outside."""
     cuts = data.draw(st.lists(st.integers(0, len(CUTS) - 1), min_size=world, max_size=world), label="cuts")
     pauses = data.draw(st.lists(st.floats(0.0, 4.0), min_size=world, max_size=world), label="pauses")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        _write_live(root, cycles, cuts, pauses)
+        _write_live(root, cycles, cuts, pauses, stop)
         code, d = _replay(capsys, root)
+    if stop is not None:
+        assert "stopped from outside" in d["headline"], (cuts, d["headline"])
     assert code == 3
     culprit = d["culprit"]
     assert culprit is None or culprit["ranks"] == [], (cuts, d["headline"])
