@@ -146,7 +146,7 @@ def test_a_trace_changed_after_close_is_reported_as_damage(tmp_path, capsys, dam
         i = data.index(b'"duration_s":0.01') + len(b'"duration_s":0.0')
         data = data[:i] + b"3" + data[i + 1 :]
     elif damage == "truncate":
-        data = data[: len(data) // 2]
+        data = data[: data.index(b"\n", len(data) // 2) - 5]  # inside a line: the wall clocks vary its length
     else:
         data += data.splitlines(keepends=True)[-1]
     trace.write_bytes(data)
