@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -37,20 +38,36 @@ def _session(sid: int) -> set[int]:
     return {p.pid for p in live_processes() if p.sid == sid}
 
 
-@pytest.mark.parametrize("inject", [None, "hang:1:2"], ids=["running", "during-a-hang"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_parent_signal_stops_every_rank_and_leaves_no_healthy_trace(sig, inject, tmp_path):
-    """SIGTERM or SIGKILL to the demo parent: every process of the run is gone within guard + 10 s, no
-    pymp-* folder is left, no rank runs another step, and no rank's trace ends with a clean
-    trace_closed. SIGTERM exits 143 saying so; after SIGKILL each rank says its launcher died."""
+def _default_sigint() -> None:
+    # As from a terminal: a suite started in the background inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@dataclass
+class Stopped:
+    """How a signalled demo ended: its process, seconds from the signal until every process was gone,
+    what was left alive then, the steps each rank had run when signalled, and its output."""
+
+    proc: subprocess.Popen
+    took: float
+    left: set[int]
+    steps_at: list[int]
+    out: str
+    err: str
+
+
+def _signal_demo(tmp_path: Path, sig: int, inject: str | None, *, guard_s: float, to_group: bool = False) -> Stopped:
+    """Run the demo (300 steps) in a session of its own, with its own TMPDIR; once both ranks run (inside
+    the hang, for an injected one), send ``sig`` to its parent (``to_group``: to every process of the group,
+    as a terminal's Ctrl-C does); wait until every process of the session is gone, killing what is left."""
     traces, tmp = tmp_path / "traces", tmp_path / "tmp"
     tmp.mkdir()
-    argv = [sys.executable, "-m", "miles_fsm", "demo", "--steps", "300", "--guard-timeout", str(GUARD_S),
+    argv = [sys.executable, "-m", "miles_fsm", "demo", "--steps", "300", "--guard-timeout", str(guard_s),
             "--trace-dir", str(traces)] + (["--inject", inject] if inject else [])
     with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
         # Files, not pipes: orphaned ranks holding a pipe would keep communicate() waiting forever.
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, start_new_session=True, env={**os.environ,
-                                "TMPDIR": str(tmp)})
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, start_new_session=True, preexec_fn=_default_sigint,
+                                env={**os.environ, "TMPDIR": str(tmp)})  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while min(_steps(traces, 0), _steps(traces, 1)) < (1 if inject else 2):
@@ -58,7 +75,7 @@ def test_parent_signal_stops_every_rank_and_leaves_no_healthy_trace(sig, inject,
             time.sleep(0.05)
         time.sleep(1.0 if inject else 0.2)  # a hang: rank 1 is inside it and rank 0 waits at the guard
         steps_at = [_steps(traces, r) for r in (0, 1)]
-        os.kill(proc.pid, sig)
+        (os.killpg if to_group else os.kill)(proc.pid, sig)
         signalled = time.monotonic()
         proc.wait(timeout=GUARD_S + MARGIN_S)
         while _session(proc.pid) and time.monotonic() - signalled < GUARD_S + MARGIN_S:
@@ -71,29 +88,8 @@ def test_parent_signal_stops_every_rank_and_leaves_no_healthy_trace(sig, inject,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert not left, f"processes left behind: {sorted(left)}"
-    assert took < GUARD_S + MARGIN_S
     assert not list(tmp.glob("pymp-*")), "multiprocessing's temp folder was left behind"
-    assert [_steps(traces, r) for r in (0, 1)] <= [s + 1 for s in steps_at], "ranks kept running"
-    for rank in (0, 1):
-        last = _records(traces, rank)[-1]
-        assert not (last["event"] == "trace_closed" and last["clean"]), f"rank {rank}'s trace reads healthy"
-    stdout, stderr = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
-    assert "Traceback" not in stderr, stderr
-    if sig == signal.SIGTERM:
-        assert proc.returncode == 128 + signal.SIGTERM and "interrupted (SIGTERM)" in stdout, stdout + stderr
-    else:
-        for rank in (0, 1):
-            assert f"rank {rank}: its launcher (pid {proc.pid}) died" in stderr, stderr
-            last = _records(traces, rank)[-1]
-            assert (last["event"], last["error"]) == ("trace_closed", "LauncherLostError"), last
-    _assert_replay_blames_nobody(traces, "its launcher " + ("got SIGTERM" if sig == signal.SIGTERM else "died"))
-    print(f"SIGNAL {signal.Signals(sig).name} {inject or 'running'}: every process gone {took:.2f} s after")
-
-
-def _default_sigint() -> None:
-    # As from a terminal: a suite started in the background inherits SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return Stopped(proc, took, left, steps_at, (tmp_path / "out").read_text(), (tmp_path / "err").read_text())
 
 
 def _replay(trace_dir: Path) -> tuple[int, dict]:
@@ -112,6 +108,33 @@ def _assert_replay_blames_nobody(trace_dir: Path, cause: str) -> None:
     assert not [s for s in d["stuck"] if s["how"] in ("crashed", "stuck")], d["stuck"]
 
 
+@pytest.mark.parametrize("inject", [None, "hang:1:2"], ids=["running", "during-a-hang"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_parent_signal_stops_every_rank_and_leaves_no_healthy_trace(sig, inject, tmp_path):
+    """SIGTERM or SIGKILL to the demo parent: every process of the run is gone within guard + 10 s, no
+    pymp-* folder is left, no rank runs another step, and no rank's trace ends with a clean
+    trace_closed. SIGTERM exits 143 saying so; after SIGKILL each rank says its launcher died. Either
+    way replay says the run was stopped from outside and blames nobody."""
+    run = _signal_demo(tmp_path, sig, inject, guard_s=GUARD_S)
+    traces = tmp_path / "traces"
+    assert not run.left, f"processes left behind: {sorted(run.left)}"
+    assert run.took < GUARD_S + MARGIN_S
+    assert [_steps(traces, r) for r in (0, 1)] <= [s + 1 for s in run.steps_at], "ranks kept running"
+    for rank in (0, 1):
+        last = _records(traces, rank)[-1]
+        assert not (last["event"] == "trace_closed" and last["clean"]), f"rank {rank}'s trace reads healthy"
+    assert "Traceback" not in run.err, run.err
+    if sig == signal.SIGTERM:
+        assert run.proc.returncode == 128 + signal.SIGTERM and "interrupted (SIGTERM)" in run.out, run.out + run.err
+    else:
+        for rank in (0, 1):
+            assert f"rank {rank}: its launcher (pid {run.proc.pid}) died" in run.err, run.err
+            last = _records(traces, rank)[-1]
+            assert (last["event"], last["error"]) == ("trace_closed", "LauncherLostError"), last
+    _assert_replay_blames_nobody(traces, "its launcher " + ("got SIGTERM" if sig == signal.SIGTERM else "died"))
+    print(f"SIGNAL {signal.Signals(sig).name} {inject or 'running'}: every process gone {run.took:.2f} s after")
+
+
 @pytest.mark.parametrize(
     ("sig", "inject"),
     [(signal.SIGINT, None), (signal.SIGHUP, "hang:1:2"), (signal.SIGTERM, "hang:1:2")],
@@ -122,35 +145,11 @@ def test_an_operator_stop_is_recorded_on_every_rank_and_blames_nobody(sig, injec
     in a trace_closed saying its launcher stopped it on that signal, even a rank hung before its guard
     and one waiting inside the guard's collective, and replay blames nobody. Before the launcher told
     its ranks why, they died mid-record and replay named one of them."""
+    # A guard timeout longer than the test: nothing but the stop can end the hang.
+    run = _signal_demo(tmp_path, sig, inject, guard_s=30.0, to_group=sig == signal.SIGINT)
     traces = tmp_path / "traces"
-    argv = [sys.executable, "-m", "miles_fsm", "demo", "--steps", "300", "--guard-timeout", "30",
-            "--trace-dir", str(traces)] + (["--inject", inject] if inject else [])
-    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, start_new_session=True, preexec_fn=_default_sigint)
-    try:
-        deadline = time.monotonic() + 60
-        while min(_steps(traces, 0), _steps(traces, 1)) < 1:
-            assert time.monotonic() < deadline, "the demo never started its steps"
-            time.sleep(0.05)
-        time.sleep(1.0 if inject else 0.2)  # a hang: rank 1 is inside it and rank 0 waits at the guard
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C does: every process of the group
-        else:
-            os.kill(proc.pid, sig)
-        proc.wait(timeout=MARGIN_S)
-        left = _session(proc.pid)
-        end = time.monotonic() + 5.0
-        while left and time.monotonic() < end:
-            time.sleep(0.05)
-            left = _session(proc.pid)
-    finally:
-        for pid in _session(proc.pid):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert not left, f"processes left behind: {sorted(left)}"
-    assert proc.returncode == 128 + sig, (tmp_path / "out").read_text() + (tmp_path / "err").read_text()
+    assert not run.left, f"processes left behind: {sorted(run.left)}"
+    assert run.proc.returncode == 128 + sig, run.out + run.err
     name = signal.Signals(sig).name
     for rank in (0, 1):
         last = _records(traces, rank)[-1]
