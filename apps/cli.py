@@ -22,8 +22,8 @@ DISTRIBUTION = "miles-fsm"
 _SUBCOMMANDS = {
     "bench": ("miles_fsm.apps.bench", "offload/wake and verification against the measured hardware limits, as one JSON file"),
     "demo": ("miles_fsm.apps.demo", "run the colocated RL loop on N local CPU ranks, with optional fault injection"),
-    "diagram": ("miles_fsm.states.diagram", "print the lifecycle diagram (Markdown with Mermaid)"),
-    "replay": ("miles_fsm.replay", "diagnose a run from its per-rank traces (divergence, stuck, crashed, stragglers)"),
+    "diagram": ("miles_fsm.apps.diagram", "print the lifecycle diagram (Markdown with Mermaid)"),
+    "replay": ("miles_fsm.apps.replay", "diagnose a run from its per-rank traces (divergence, stuck, crashed, stragglers)"),
 }
 
 

@@ -24,7 +24,7 @@ from machine import describe_machine, ratio_spread, spread
 from rich.console import Console
 
 from miles_fsm.flight_recorder import FR_ENV
-from miles_fsm.launch import RankContext, run_ranks
+from miles_fsm.launch.local import RankContext, run_ranks
 
 
 def _rank(ctx: RankContext) -> dict:
@@ -34,8 +34,8 @@ def _rank(ctx: RankContext) -> dict:
     from miles_fsm import flight_recorder as fr
     from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-    from miles_fsm.drivers.reference import ModelConfig, ReferenceTrainer, TrainerConfig
-    from miles_fsm.drivers.reference_engine import EngineConfig, ReferenceEngine
+    from miles_fsm.drivers.reference.trainer import ModelConfig, ReferenceTrainer, TrainerConfig
+    from miles_fsm.drivers.reference.engine import EngineConfig, ReferenceEngine
     from miles_fsm.states import State
     from miles_fsm.states.lifecycle import Lifecycle
 

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from machine import describe_machine, ratio_spread, spread
-from miles_fsm.launch import RankContext, run_ranks
+from miles_fsm.launch.local import RankContext, run_ranks
 
 GOAL_RATIO = 1.25  # issue 18: planning + guard <= 1.25x a bare all-reduce at 10 000 tensors
 

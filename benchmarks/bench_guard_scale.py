@@ -27,7 +27,7 @@ import orjson
 from rich.console import Console
 
 from machine import describe_machine, ratio_spread, spread
-from miles_fsm.launch import RankContext, run_ranks
+from miles_fsm.launch.local import RankContext, run_ranks
 
 console = Console(stderr=True)
 
@@ -74,7 +74,7 @@ def _rank(ctx: RankContext) -> dict[str, Any]:
     import torch.distributed as dist
 
     from miles_fsm.errors import GuardTimeoutError, RankDivergenceError
-    from miles_fsm.guard import Guard
+    from miles_fsm.guard.consensus import Guard
 
     torch.set_num_threads(1)
     kw = ctx.kwargs

@@ -11,12 +11,12 @@ too and must find both. The files are written first, outside every timer,
 then ``os.sync()``; they are read from the page cache.
 
 Each file then gets the index its writer would leave at close
-(``miles_fsm.trace_index.write_index``, the CPU it costs recorded), and a
+(``miles_fsm.replay.index.write_index``, the CPU it costs recorded), and a
 second directory holds the same files, hard-linked, without indexes: the
 traces of ranks that crashed or hung before close.
 
 Each round measures, in this process, the CPU time (``time.process_time``)
-of ``miles_fsm.replay.replay(dir, workers=1)`` (listing, reading, folding,
+of ``miles_fsm.replay.report.replay(dir, workers=1)`` (listing, reading, folding,
 diagnosing) on both directories and of ``orjson.loads`` of every line of the
 same files, in rotating order; then the wall time of ``replay(dir)`` on both,
 with its own choice of reader processes. Both directories must give the
@@ -153,7 +153,7 @@ def naive_parse(root: Path) -> int:
 
 def write_indexes(root: Path, ranks: int) -> float:
     """The index of every rank file, as each ``Tracer.close()`` writes it; the CPU seconds that took, in all."""
-    from miles_fsm.trace_index import write_index
+    from miles_fsm.replay.index import write_index
 
     c0 = time.process_time()
     for r in range(ranks):
@@ -163,7 +163,7 @@ def write_indexes(root: Path, ranks: int) -> float:
 
 def bench(ranks: int, transitions: int, workers: int | None, keep: Path | None, rounds: int,
           console: Console) -> dict[str, Any]:  # fmt: skip
-    from miles_fsm.replay import replay
+    from miles_fsm.replay.report import replay
 
     root = Path(tempfile.mkdtemp(prefix=f"replay-bench-{ranks}-", dir=keep))
     try:
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "replay analysis CPU and wall time vs a naive orjson parse of the same files",
         "machine": machine,
         "naive_side": "orjson.loads of every line of every rank file (iterating the file by lines), in this process",
-        "replay_side": "miles_fsm.replay.replay(dir, workers=1) in this process for CPU (time.process_time), on "
+        "replay_side": "miles_fsm.replay.report.replay(dir, workers=1) in this process for CPU (time.process_time), on "
                        "the files with the indexes their writers leave at close and on the same files without "
                        "(ranks that never closed); replay(dir) with its default reader processes for wall time "
                        "(workers' CPU not counted)",

@@ -27,7 +27,7 @@ import orjson
 from machine import describe_machine, ratio_spread, spread
 from rich.console import Console
 
-from miles_fsm.tracing import Tracer
+from miles_fsm.trace.writer import Tracer
 
 __all__ = ["main"]
 

@@ -119,7 +119,7 @@ def build(args: argparse.Namespace, memory: Any, tms: Any, *, optimizer_backup: 
         from megatron.core.transformer import TransformerConfig
         from megatron.core.transformer.module import Float16Module
 
-    from miles_fsm.drivers.megatron import ddp_buffers_in_tags
+    from miles_fsm.drivers.megatron.driver import ddp_buffers_in_tags
 
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(args.seed)
@@ -158,8 +158,8 @@ def build(args: argparse.Namespace, memory: Any, tms: Any, *, optimizer_backup: 
 def run_strategy(state: dict[str, Any], memory: TmsMemory, strategy: str, cycles: int) -> dict[str, Any]:
     from miles_fsm.config import GuardConfig, LifecycleConfig
     from miles_fsm.digest import digest_tensors
-    from miles_fsm.drivers.megatron import MegatronTrainer
-    from miles_fsm.drivers.megatron_config import MegatronDriverConfig
+    from miles_fsm.drivers.megatron.driver import MegatronTrainer
+    from miles_fsm.drivers.megatron.config import MegatronDriverConfig
     from miles_fsm.states.lifecycle import Lifecycle
 
     chunks, optimizer = state["chunks"], state["optimizer"]

@@ -470,7 +470,7 @@ class Run:
         return self.start_server(cuda_graph=cuda_graph)
 
     def driver(self, **config: Any) -> Any:
-        from miles_fsm.drivers.sglang import HttpConfig, SGLangConfig, SGLangEngineDriver
+        from miles_fsm.drivers.sglang.driver import HttpConfig, SGLangConfig, SGLangEngineDriver
 
         assert self.server is not None  # every check starts from live_server()
         config.setdefault("expected_checksums", llama_engine_checksums)
@@ -545,7 +545,7 @@ class Run:
 
     def memory(self, tags: Iterable[str], *, cuda_graph: bool = False) -> dict[str, Any]:
         """Release and resume each tag through the driver, the free device memory read around each call."""
-        from miles_fsm.drivers.sglang_transport import HttpTransport
+        from miles_fsm.drivers.sglang.http import HttpTransport
 
         server = self.live_server(cuda_graph=cuda_graph)
         driver = self.driver()
@@ -691,7 +691,7 @@ class Run:
     def lifecycle(self, *, trainer_memory: str, cycles: int = 2) -> dict[str, Any]:
         """The reference trainer through full cycles feeding the engine; free device memory per state."""
         from miles_fsm.config import LifecycleConfig, VerifyConfig
-        from miles_fsm.drivers.reference import ModelConfig, ReferenceTrainer, TrainerConfig
+        from miles_fsm.drivers.reference.trainer import ModelConfig, ReferenceTrainer, TrainerConfig
         from miles_fsm.states.lifecycle import Lifecycle
         from miles_fsm.states import State
 

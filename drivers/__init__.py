@@ -4,7 +4,7 @@ The pure-torch reference stack is the default. Importing this package is
 light: every name resolves on first use (PEP 562), so a tool that needs one
 driver never imports the others, or torch, or an optional dependency. The
 megatron-core, torch_memory_saver and SGLang drivers import optional
-dependencies: import them from their modules (``miles_fsm.drivers.megatron``,
+dependencies: import them from their modules (``miles_fsm.drivers.megatron.driver``,
 ``.tms``, ``.sglang``).
 """
 
@@ -15,15 +15,15 @@ from miles_fsm.lazy import lazy_exports
 _LAZY = {
     "CpuMemorySaver": "miles_fsm.drivers.cpu_memory",
     "MemorySaver": "miles_fsm.drivers.cpu_memory",
-    "ReferenceEngine": "miles_fsm.drivers.reference_engine",
-    "ReferenceTrainer": "miles_fsm.drivers.reference",
+    "ReferenceEngine": "miles_fsm.drivers.reference.engine",
+    "ReferenceTrainer": "miles_fsm.drivers.reference.trainer",
 }
 
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver, MemorySaver
-    from miles_fsm.drivers.reference import ReferenceTrainer
-    from miles_fsm.drivers.reference_engine import ReferenceEngine
+    from miles_fsm.drivers.reference.trainer import ReferenceTrainer
+    from miles_fsm.drivers.reference.engine import ReferenceEngine
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -1,4 +1,4 @@
-"""An async RL rollout loop on the reference trainer and engine, driven through ``miles_fsm.aio``.
+"""An async RL rollout loop on the reference trainer and engine, driven through ``miles_fsm.aio.machine``.
 
 Each RL step:
 
@@ -46,14 +46,14 @@ import anyio.abc
 import orjson
 import torch
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-from miles_fsm.drivers.reference import ModelConfig, ReferenceTrainer, TrainerConfig
-from miles_fsm.drivers.reference_engine import EngineConfig, ReferenceEngine
+from miles_fsm.drivers.reference.trainer import ModelConfig, ReferenceTrainer, TrainerConfig
+from miles_fsm.drivers.reference.engine import EngineConfig, ReferenceEngine
 from miles_fsm.states import State
 
-from miles_fsm.aio import StateChanges
+from miles_fsm.aio.machine import StateChanges
 from miles_fsm.states.aio import AsyncLifecycle
 from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
-from miles_fsm.launch import RankContext, run_ranks
+from miles_fsm.launch.local import RankContext, run_ranks
 from miles_fsm.states.lifecycle import Lifecycle
 
 

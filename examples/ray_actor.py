@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, State, VerifyConfig
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-from miles_fsm.drivers.reference import TrainerConfig
-from miles_fsm.drivers.reference_engine import ReferenceEngine
-from miles_fsm.drivers.reference import ReferenceTrainer
+from miles_fsm.drivers.reference.trainer import TrainerConfig
+from miles_fsm.drivers.reference.engine import ReferenceEngine
+from miles_fsm.drivers.reference.trainer import ReferenceTrainer
 
 
 @ray.remote(num_cpus=1, max_restarts=0)

@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "AsyncLifecycle": "miles_fsm.states.aio",
-    "AsyncMachine": "miles_fsm.aio",
-    "AsyncSnapshot": "miles_fsm.aio",
+    "AsyncMachine": "miles_fsm.aio.machine",
+    "AsyncSnapshot": "miles_fsm.aio.machine",
     "BufferRoutingError": "miles_fsm.drivers.errors",
     "CYCLE": "miles_fsm.states",
     "Collective": "miles_fsm.plan",
@@ -32,7 +32,7 @@ _EXPORTS = {
     "Failure": "miles_fsm.machine",
     "FaultLocatedError": "miles_fsm.apps.errors",
     "FlightRecorderError": "miles_fsm.flight_recorder",
-    "Guard": "miles_fsm.guard",
+    "Guard": "miles_fsm.guard.consensus",
     "GuardConfig": "miles_fsm.config",
     "GuardError": "miles_fsm.errors",
     "GuardTimeoutError": "miles_fsm.errors",
@@ -41,8 +41,8 @@ _EXPORTS = {
     "IneligibleModelError": "miles_fsm.drivers.errors",
     "Intent": "miles_fsm.plan",
     "LastSeen": "miles_fsm.errors",
-    "LauncherLostError": "miles_fsm.launch",
-    "RankStoppedError": "miles_fsm.launch",
+    "LauncherLostError": "miles_fsm.launch.local",
+    "RankStoppedError": "miles_fsm.launch.local",
     "Lifecycle": "miles_fsm.states.lifecycle",
     "LifecycleConfig": "miles_fsm.config",
     "Machine": "miles_fsm.machine",
@@ -67,8 +67,8 @@ _EXPORTS = {
     "Side": "miles_fsm.states",
     "Snapshot": "miles_fsm.states.lifecycle",
     "State": "miles_fsm.states",
-    "StateChange": "miles_fsm.aio",
-    "StateChanges": "miles_fsm.aio",
+    "StateChange": "miles_fsm.aio.machine",
+    "StateChanges": "miles_fsm.aio.machine",
     "Step": "miles_fsm.states",
     "StepKind": "miles_fsm.states",
     "StepReport": "miles_fsm.states.protocols",
@@ -97,7 +97,7 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
-    from miles_fsm.aio import (  # noqa: F401
+    from miles_fsm.aio.machine import (  # noqa: F401
         AsyncMachine,
         AsyncSnapshot,
         StateChange,
@@ -151,10 +151,10 @@ if TYPE_CHECKING:
         TransitionCancelled,
         TransitionNotAllowed,
     )
-    from miles_fsm.guard import (  # noqa: F401
+    from miles_fsm.guard.consensus import (  # noqa: F401
         Guard,
     )
-    from miles_fsm.launch import (  # noqa: F401
+    from miles_fsm.launch.local import (  # noqa: F401
         LauncherLostError,
         RankStoppedError,
     )

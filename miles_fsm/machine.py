@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import transitions
 
 from miles_fsm.errors import TransitionCancelled, TransitionNotAllowed, describe
-from miles_fsm.schema import (
+from miles_fsm.trace.schema import (
     ACTION_FINISHED,
     ACTION_STARTED,
     GUARD_ENTERED,
@@ -46,9 +46,9 @@ from miles_fsm.schema import (
 
 if TYPE_CHECKING:
     from miles_fsm.definition import Definition, Transition
-    from miles_fsm.guard import Guard
+    from miles_fsm.guard.consensus import Guard
     from miles_fsm.plan import Intent
-    from miles_fsm.tracing import TraceSink
+    from miles_fsm.trace.writer import TraceSink
 
 __all__ = ["Failure", "InFlight", "Machine", "Plan", "PlannedStep", "StepResult", "TransitionResult"]
 

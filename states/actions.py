@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from miles_fsm.config import VerifyConfig
 from miles_fsm.digest import digest_tensors
 from miles_fsm.plan import TensorSet
-from miles_fsm.schema import VERIFIED, VERIFY_FAILED
+from miles_fsm.trace.schema import VERIFIED, VERIFY_FAILED
 from miles_fsm.states.definition import Side, State, Step, StepKind, Trigger
 from miles_fsm.states.errors import TensorSetChangedError, VerificationError, WeightVersionError
 from miles_fsm.states.memory import MemoryLedger
@@ -23,7 +23,7 @@ from miles_fsm.states.protocols import StepReport
 
 if TYPE_CHECKING:
     from miles_fsm.states.protocols import EngineDriver, TrainerDriver
-    from miles_fsm.tracing import TraceSink
+    from miles_fsm.trace.writer import TraceSink
 
 __all__ = ["Actions"]
 

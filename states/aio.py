@@ -3,7 +3,7 @@
 The engine's ``AsyncMachine`` does the work (per-rank FIFO lock, worker
 threads, the cancellation rule, ``changes()``, ``wait_for``); this adds the
 lifecycle's named triggers and ``rollout()``, the window in which the engine
-owns the GPU. See ``miles_fsm.aio`` for the cancellation rule.
+owns the GPU. See ``miles_fsm.aio.machine`` for the cancellation rule.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import anyio
 import anyio.lowlevel
 
-from miles_fsm.aio import AsyncMachine
-from miles_fsm.aio_gate import Gate, deliver
+from miles_fsm.aio.machine import AsyncMachine
+from miles_fsm.aio.gate import Gate, deliver
 from miles_fsm.errors import TransitionNotAllowed
 from miles_fsm.machine import TransitionResult
 from miles_fsm.plan import Collective

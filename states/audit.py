@@ -25,7 +25,7 @@ from miles_fsm.states.errors import UndeclaredCollectiveError
 
 if TYPE_CHECKING:
     from miles_fsm.config import VerifyConfig
-    from miles_fsm.guard import Guard
+    from miles_fsm.guard.consensus import Guard
     from miles_fsm.plan import Collective
 
 __all__ = ["PlanAudit", "dump_beside_trace", "make_audit", "undeclared"]

@@ -6,10 +6,6 @@ when the doc and the table drift apart.
 
 from __future__ import annotations
 
-import argparse
-import sys
-from typing import Any
-
 from miles_fsm.states import DEFINITION, Side, State, Strategy
 
 __all__ = ["lifecycle_markdown", "mermaid"]
@@ -81,12 +77,3 @@ def lifecycle_markdown() -> str:
     return "\n".join(out)
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("diagram", help="print the lifecycle diagram (Markdown with Mermaid)")
-    p.add_argument("--mermaid", action="store_true", help="print only the Mermaid source")
-    p.set_defaults(run=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    sys.stdout.write((mermaid() + "\n") if args.mermaid else lifecycle_markdown())
-    return 0

@@ -28,16 +28,17 @@ from typing import TYPE_CHECKING, Any
 from miles_fsm.config import LifecycleConfig
 from miles_fsm.errors import PeerNeverJoinedError, describe
 from miles_fsm.states.errors import RecoveryError
-from miles_fsm.guard import Guard
+from miles_fsm.guard.consensus import Guard
 from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
 from miles_fsm.plan import Intent
-from miles_fsm.schema import GUARD_FAILED, RECOVERED, STORE_UNREACHABLE, TRACE_OPENED
+from miles_fsm.trace.schema import GUARD_FAILED, RECOVERED, STORE_UNREACHABLE, TRACE_OPENED
 from miles_fsm.states.actions import Actions
 from miles_fsm.states.audit import dump_beside_trace, make_audit
 from miles_fsm.states.planning import TensorSetCache
 from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
-from miles_fsm.tracing import NullTracer, Tracer, TraceSink, new_run_id
+from miles_fsm.replay.index import write_index
+from miles_fsm.trace.writer import NullTracer, Tracer, TraceSink, new_run_id
 
 if TYPE_CHECKING:
     from miles_fsm.definition import Definition, Transition
@@ -171,7 +172,8 @@ class Lifecycle:
             return sink
         if self._config.trace_dir is None:
             return NullTracer()
-        return Tracer(self._trace_dir, rank=rank, world=world, run=run_id, **meta)
+        # The index beside a closed trace: replay reads it instead of the lines while the file is unchanged.
+        return Tracer(self._trace_dir, rank=rank, world=world, run=run_id, on_close=write_index, **meta)
 
     @property
     def _trace_dir(self) -> Path | None:

@@ -1,6 +1,6 @@
 """Shared test fixtures.
 
-Multi-rank tests run real processes over gloo through ``miles_fsm.launch``;
+Multi-rank tests run real processes over gloo through ``miles_fsm.launch.local``;
 ``assert_no_leftovers`` checks the process table afterwards.
 """
 

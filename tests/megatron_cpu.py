@@ -1,7 +1,7 @@
 """Rank functions for the Megatron driver's tests on real megatron-core 0.16.1: CPU, gloo, two ranks.
 
-Every rank runs only shipped code: ``miles_fsm.drivers.megatron_cpu.enable()``
-(the opt-in CPU patches) and the tiny GPT of ``drivers/megatron_gpt.py``.
+Every rank runs only shipped code: ``miles_fsm.drivers.megatron.cpu.enable()``
+(the opt-in CPU patches) and the tiny GPT of ``drivers/megatron/gpt.py``.
 Nothing here patches megatron or torch to make it run (``_CollectiveLog``
 only wraps the collectives, to watch what a train step issues).
 """
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 # Other test modules' rank functions build their GPT from these; all three are shipped code.
-from miles_fsm.drivers.megatron_cpu import enable as apply_cpu_patches
-from miles_fsm.drivers.megatron_gpt import build_tiny_gpt, train_step
+from miles_fsm.drivers.megatron.cpu import enable as apply_cpu_patches
+from miles_fsm.drivers.megatron.gpt import build_tiny_gpt, train_step
 
 __all__ = [
     "apply_cpu_patches",
@@ -40,7 +40,7 @@ def megatron_available() -> str | None:
 
 
 # --------------------------------------------------------------------------- rank functions
-# Module-level so ``miles_fsm.launch.run_ranks`` can import them in each child.
+# Module-level so ``miles_fsm.launch.local.run_ranks`` can import them in each child.
 
 
 def _lifecycle(driver: Any, *, guard_timeout_s: float = 30.0) -> Any:
@@ -70,7 +70,7 @@ def rank_full_cycles(ctx: Any) -> dict[str, Any]:
     """
     from miles_fsm.digest import digest_tensors
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-    from miles_fsm.drivers.megatron_cpu import build_cpu_gpt_trainer
+    from miles_fsm.drivers.megatron.cpu import build_cpu_gpt_trainer
     from miles_fsm.errors import MemoryReleasedError
     from miles_fsm.states.errors import VerificationError
     from miles_fsm.states import Step, StepKind, Strategy
@@ -147,10 +147,10 @@ def rank_structure_and_divergence(ctx: Any) -> dict[str, Any]:
        the SYNC transition fails on every rank before any ``start_param_sync``.
     """
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-    from miles_fsm.drivers.megatron import MegatronTrainer
-    from miles_fsm.drivers.megatron_cpu import build_cpu_gpt_trainer, enable
-    from miles_fsm.drivers.megatron_gpt import GptConfig, build_tiny_gpt
-    from miles_fsm.drivers.megatron_config import MegatronDriverConfig
+    from miles_fsm.drivers.megatron.driver import MegatronTrainer
+    from miles_fsm.drivers.megatron.cpu import build_cpu_gpt_trainer, enable
+    from miles_fsm.drivers.megatron.gpt import GptConfig, build_tiny_gpt
+    from miles_fsm.drivers.megatron.config import MegatronDriverConfig
     from miles_fsm.drivers.errors import IneligibleModelError
     from miles_fsm.errors import ConfigError, RankDivergenceError
     from miles_fsm.states import Strategy
@@ -274,7 +274,7 @@ def rank_demo_cycles(ctx: Any) -> dict[str, Any]:
 
     from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
     from miles_fsm.digest import digest_tensors
-    from miles_fsm.drivers.megatron_cpu import build_cpu_gpt_trainer
+    from miles_fsm.drivers.megatron.cpu import build_cpu_gpt_trainer
     from miles_fsm.states.lifecycle import Lifecycle
 
     log = _CollectiveLog()

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, Trigger
-from miles_fsm.launch import RankContext
+from miles_fsm.launch.local import RankContext
 from toy import ToyEngine, ToyTrainer
 
 

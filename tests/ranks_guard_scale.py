@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from miles_fsm import guard as guard_module
+from miles_fsm.guard import consensus as guard_module
 from miles_fsm.errors import GuardError
-from miles_fsm.guard import Guard
-from miles_fsm.launch import RankContext
+from miles_fsm.guard.consensus import Guard
+from miles_fsm.launch.local import RankContext
 from miles_fsm.plan import Intent, TensorSet
 
 #: The store calls that read (or wait on) other ranks' keys, as opposed to this rank's own writes.

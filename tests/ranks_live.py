@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from miles_fsm.errors import MilesFsmError
-from miles_fsm.launch import RankContext
+from miles_fsm.launch.local import RankContext
 
 
 class Unpicklable(RuntimeError):

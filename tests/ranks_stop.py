@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from miles_fsm.errors import plain
-from miles_fsm.launch import RankContext
+from miles_fsm.launch.local import RankContext
 
 
 def _record_stop(ctx: RankContext) -> None:

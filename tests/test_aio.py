@@ -1,4 +1,4 @@
-"""The async API (miles_fsm.aio) in one process, on asyncio and trio.
+"""The async API (miles_fsm.aio.machine) in one process, on asyncio and trio.
 
 Multi-rank cancellation is in test_aio_ranks.py; pytest-asyncio use in
 test_aio_pytest_asyncio.py.
@@ -18,7 +18,7 @@ from anyio.lowlevel import checkpoint
 from miles_fsm.states import State, Trigger
 from toy import ToyEngine, ToyTrainer
 
-from miles_fsm.aio import StateChange
+from miles_fsm.aio.machine import StateChange
 from miles_fsm.states.aio import AsyncLifecycle
 from miles_fsm.config import LifecycleConfig
 from miles_fsm.errors import RankFailedError, TransitionNotAllowed

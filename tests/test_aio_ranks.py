@@ -19,7 +19,7 @@ from toy import ToyEngine
 from miles_fsm.states.aio import AsyncLifecycle
 from miles_fsm.config import GuardConfig, LifecycleConfig
 from miles_fsm.errors import GuardTimeoutError
-from miles_fsm.launch import RankContext, run_ranks
+from miles_fsm.launch.local import RankContext, run_ranks
 from miles_fsm.states.lifecycle import Lifecycle
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from miles_fsm.blame import suspects
-from miles_fsm.disagreement import explain_divergence
+from miles_fsm.guard.disagreement import explain_divergence
 from miles_fsm.plan import Collective, Intent, TensorSet, TensorSpec
 
 

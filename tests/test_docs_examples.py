@@ -78,8 +78,8 @@ PYTHON = [b for b in BLOCKS if b.lang == "python"]
 _DRIVERS = """
 import torch
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-from miles_fsm.drivers.reference import ReferenceTrainer, TrainerConfig
-from miles_fsm.drivers.reference_engine import ReferenceEngine
+from miles_fsm.drivers.reference.trainer import ReferenceTrainer, TrainerConfig
+from miles_fsm.drivers.reference.engine import ReferenceEngine
 
 saver = CpuMemorySaver()                   # one "device", shared by trainer and engine as a GPU is
 my_trainer = my_trainer_driver = trainer = ReferenceTrainer(config=TrainerConfig(), saver=saver)
@@ -178,7 +178,7 @@ SETUPS = {
         "import torch.distributed as dist\n"
         "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
         "from miles_fsm import Lifecycle, LifecycleConfig, VerifyConfig\n"
-        "from miles_fsm.drivers.megatron_cpu import build_cpu_gpt_trainer\nsteps = 2\n",
+        "from miles_fsm.drivers.megatron.cpu import build_cpu_gpt_trainer\nsteps = 2\n",
         after="dist.destroy_process_group()",
         subprocess=True,
         needs="megatron.core",
@@ -189,8 +189,8 @@ _ALC_CONFTEST = """
 import pytest
 from miles_fsm import Lifecycle, LifecycleConfig
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-from miles_fsm.drivers.reference import ReferenceTrainer
-from miles_fsm.drivers.reference_engine import ReferenceEngine
+from miles_fsm.drivers.reference.trainer import ReferenceTrainer
+from miles_fsm.drivers.reference.engine import ReferenceEngine
 from miles_fsm.states.aio import AsyncLifecycle
 
 

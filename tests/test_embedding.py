@@ -7,7 +7,7 @@ import pytest
 
 import ranks_engine
 from miles_fsm import DriverProtocolError, Lifecycle, LifecycleConfig, State
-from miles_fsm.launch import run_ranks
+from miles_fsm.launch.local import run_ranks
 from toy import ToyEngine, ToyTrainer
 
 

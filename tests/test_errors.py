@@ -10,7 +10,7 @@ import miles_fsm.apps.errors as app_errors
 import miles_fsm.drivers.errors as driver_errors
 import miles_fsm.errors as engine_errors
 import miles_fsm.flight_recorder as flight_recorder
-import miles_fsm.launch as launch
+import miles_fsm.launch.local as launch
 import miles_fsm.states.errors as state_errors
 from miles_fsm.errors import LastSeen, MilesFsmError, describe, plain
 

@@ -18,7 +18,7 @@ import pytest
 
 from miles_fsm import flight_recorder as fr
 from miles_fsm.apps.cli import main
-from miles_fsm.launch import RankContext, run_ranks
+from miles_fsm.launch.local import RankContext, run_ranks
 from miles_fsm.plan import Collective
 from miles_fsm.states.audit import PlanAudit, undeclared
 from miles_fsm.states.errors import UndeclaredCollectiveError

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import ranks_engine
-from miles_fsm.launch import run_ranks
+from miles_fsm.launch.local import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import ranks_guard_scale
-from miles_fsm.launch import run_ranks
+from miles_fsm.launch.local import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 import ranks_stop
-from miles_fsm.launch import EXIT_STOPPED, run_ranks
+from miles_fsm.launch.local import EXIT_STOPPED, run_ranks
 
 pytestmark = pytest.mark.slow
 

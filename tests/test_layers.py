@@ -24,9 +24,18 @@ pytest.importorskip("importlinter", reason="the layer check needs import-linter 
 
 
 def _engine_modules() -> list[str]:
-    return sorted(
-        f"miles_fsm.{p.stem}" for p in (ROOT / "miles_fsm").glob("*.py") if p.stem not in ("__init__", "__main__")
-    )
+    """Every module of the engine, its packages' included (a glob of ``miles_fsm/*.py`` alone would leave
+    the modules of ``miles_fsm/replay/``, ``trace/`` and the others out of the contract)."""
+    out = []
+    for p in (ROOT / "miles_fsm").rglob("*.py"):
+        parts = p.relative_to(ROOT / "miles_fsm").with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            out.append(".".join(("miles_fsm", *parts)))
+    return sorted(out)
 
 
 def _tree(tmp: Path) -> Path:
@@ -47,6 +56,8 @@ def _config(tmp: Path, extra: tuple[str, ...]) -> Path:
 root_package = miles_fsm
 # The facade's TYPE_CHECKING imports exist for type checkers only; its names resolve lazily.
 exclude_type_checking_imports = True
+# torch is an external package: the replay contract forbids it.
+include_external_packages = True
 
 [importlinter:contract:engine]
 name = the engine (miles_fsm/*.py) imports no layer above it
@@ -65,6 +76,26 @@ source_modules =
 forbidden_modules =
     miles_fsm.drivers
     miles_fsm.apps
+
+[importlinter:contract:trace]
+name = the trace writer (miles_fsm.trace) never imports the reader (miles_fsm.replay)
+type = forbidden
+source_modules =
+    miles_fsm.trace
+forbidden_modules =
+    miles_fsm.replay
+
+[importlinter:contract:replay]
+name = replay (miles_fsm.replay) never imports torch: reading traces runs where torch is not installed
+type = forbidden
+source_modules =
+    miles_fsm.replay
+forbidden_modules =
+    torch
+# A live rank's Flight Recorder capture (``flight_recorder._raw``) imports torch inside the function;
+# replay only reads dumps from files.
+ignore_imports =
+    miles_fsm.flight_recorder -> torch
 
 [importlinter:contract:drivers]
 name = the drivers (drivers/) do not import the apps
@@ -114,7 +145,7 @@ def test_no_layer_imports_one_above_it(tmp_path):
     """import-linter keeps every contract: engine < states < drivers < apps, direct or indirect."""
     result = _lint(tmp_path, _tree(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 3 kept, 0 broken." in result.stdout
+    assert "Contracts: 5 kept, 0 broken." in result.stdout
 
 
 def test_an_upward_import_is_reported(tmp_path):
@@ -125,3 +156,27 @@ def test_an_upward_import_is_reported(tmp_path):
     result = _lint(tmp_path, site, extra=("miles_fsm.zz_planted",))
     assert result.returncode != 0
     assert "miles_fsm.zz_planted -> miles_fsm.states" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("where", "text", "chain"),
+    [
+        ("trace", "from miles_fsm.replay.read import read_ranks\n", "miles_fsm.trace.zz_planted -> miles_fsm.replay"),
+        ("replay", "import torch\n", "miles_fsm.replay.zz_planted -> torch"),
+    ],
+    ids=["trace-imports-replay", "replay-imports-torch"],
+)
+def test_the_trace_and_replay_contracts_can_fail(tmp_path, where, text, chain):
+    """A writer module that imports the reader, or a replay module that imports torch, breaks its contract."""
+    site = _tree(tmp_path)
+    real = site / "miles_fsm" / where
+    linked = real.resolve()
+    real.unlink()  # a folder of links, so the planted module lands in the tree and not in the checkout
+    real.mkdir()
+    for entry in linked.iterdir():
+        if entry.name != "__pycache__":
+            (real / entry.name).symlink_to(entry)
+    (real / "zz_planted.py").write_text(text)
+    result = _lint(tmp_path, site, extra=(f"miles_fsm.{where}.zz_planted",))
+    assert result.returncode != 0
+    assert chain in result.stdout, result.stdout

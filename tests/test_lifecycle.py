@@ -210,7 +210,7 @@ def test_guard_timeouts_must_be_finite_positive_and_at_most_a_day(bad):
 def test_every_transition_is_guarded_by_default_and_the_opt_out_guards_only_collectives(tmp_path):
     """With a world > 1 every transition writes a guard record; every_transition=False guards only
     those whose plan declares a collective. (World 1 here: the planner's choice is read off the plan.)"""
-    from miles_fsm.guard import Guard
+    from miles_fsm.guard.consensus import Guard
 
     class Two(Guard):  # a guard that says it has peers, and agrees with itself
         def agree(self, intent, *, state, timeout_s=None):

@@ -18,7 +18,7 @@ import pytest
 from miles_fsm.errors import GuardError, LastSeen, MilesFsmError
 
 _MODULES = ("miles_fsm.errors", "miles_fsm.states.errors", "miles_fsm.drivers.errors", "miles_fsm.apps.errors",
-            "miles_fsm.launch", "miles_fsm.flight_recorder")  # fmt: skip
+            "miles_fsm.launch.local", "miles_fsm.flight_recorder")  # fmt: skip
 
 
 class MyDriverError(MilesFsmError):
@@ -172,7 +172,7 @@ def test_the_local_launcher_returns_every_rank_when_one_raises_what_does_not_pic
     """Rank 1 raises an exception that does not pickle (or a miles-fsm error with a fact that does not):
     its outcome keeps the type name, message and traceback text, and rank 0's result still comes back."""
     import ranks_live
-    from miles_fsm.launch import run_ranks
+    from miles_fsm.launch.local import run_ranks
 
     out = run_ranks(ranks_live.one_raises_unpicklable, 2, timeout_s=60, kwargs={"bad": 1, "kind": kind})
     assert out[0].ok and out[0].result == {"rank": 0, "fine": True}, out[0]

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 import ranks_live
-from miles_fsm.launch import run_ranks
+from miles_fsm.launch.local import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import ranks_live
-from miles_fsm.launch import run_ranks
+from miles_fsm.launch.local import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 A tiny GPT from the local layer spec, bf16 through ``Float16Module``, DDP
 with the distributed optimizer, real train steps between cycles. megatron
-runs on CPU through the shipped opt-in, ``miles_fsm.drivers.megatron_cpu``;
+runs on CPU through the shipped opt-in, ``miles_fsm.drivers.megatron.cpu``;
 the tests patch nothing themselves.
 """
 
@@ -13,7 +13,7 @@ import functools
 import pytest
 
 from megatron_cpu import megatron_available, rank_demo_cycles, rank_full_cycles, rank_structure_and_divergence
-from miles_fsm.launch import run_ranks
+from miles_fsm.launch.local import run_ranks
 
 _SKIP = megatron_available()
 pytestmark = [

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from miles_fsm.drivers.megatron_config import MegatronDriverConfig
+from miles_fsm.drivers.megatron.config import MegatronDriverConfig
 from miles_fsm.errors import ConfigError
 from miles_fsm.states import Strategy
 
@@ -63,7 +63,7 @@ def test_backup_strategy_ignores_rematerialize_constraints():
 
 def test_train_only_debug_turns_rematerialize_off_and_logs_why(caplog):
     """Train-only debug runs the backup strategy, skips the constraints, and says so in the log."""
-    with caplog.at_level(logging.WARNING, logger="miles_fsm.drivers.megatron"):
+    with caplog.at_level(logging.WARNING, logger="miles_fsm.drivers.megatron.driver"):
         cfg = MegatronDriverConfig(train_only_debug=True, colocate=False)
     assert cfg.strategy is Strategy.REMATERIALIZE
     assert cfg.effective_strategy is Strategy.BACKUP

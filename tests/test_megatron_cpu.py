@@ -1,4 +1,4 @@
-"""The CPU opt-in for real megatron-core (``miles_fsm.drivers.megatron_cpu``): nothing on import, checks first.
+"""The CPU opt-in for real megatron-core (``miles_fsm.drivers.megatron.cpu``): nothing on import, checks first.
 
 The refusals run in this process: they must raise before anything is
 patched. What ``enable()`` does runs in a child process, since it cannot be
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_cpu import megatron_available
-from miles_fsm.drivers import megatron_cpu
+from miles_fsm.drivers.megatron import cpu as megatron_cpu
 from miles_fsm.drivers.errors import CudaAvailableError, MissingDependencyError, UnsupportedVersionError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,8 +25,8 @@ _SKIP = megatron_available()
 _CHILD = """
 import logging, sys, torch
 from torch.overrides import _get_current_function_mode_stack as modes
-import miles_fsm.drivers.megatron, miles_fsm.drivers.megatron_config, miles_fsm.drivers.megatron_gpt
-import miles_fsm.drivers.megatron_cpu as mc
+import miles_fsm.drivers.megatron.driver, miles_fsm.drivers.megatron.config, miles_fsm.drivers.megatron.gpt
+import miles_fsm.drivers.megatron.cpu as mc
 from megatron.core.tensor_parallel import random as mrandom
 before = (torch.cuda.current_device, torch.cuda.get_rng_state, torch.cuda.manual_seed, mrandom._get_cuda_rng_state)
 assert all(f.__module__.startswith(("torch.cuda", "megatron")) for f in before), before

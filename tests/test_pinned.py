@@ -13,7 +13,7 @@ from megatron_cpu import megatron_available
 from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
 from miles_fsm.drivers.errors import HostCopyMissingError
 from miles_fsm.errors import ConfigError
-from miles_fsm.launch import run_ranks
+from miles_fsm.launch.local import run_ranks
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -87,15 +87,15 @@ def rank_optimizer_offload(ctx):
     from miles_fsm.config import GuardConfig, LifecycleConfig
     from miles_fsm.digest import digest_tensors
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-    from miles_fsm.drivers.megatron import OPTIMIZER_KEY, MegatronTrainer
-    from miles_fsm.drivers.megatron_config import MegatronDriverConfig
+    from miles_fsm.drivers.megatron.driver import OPTIMIZER_KEY, MegatronTrainer
+    from miles_fsm.drivers.megatron.config import MegatronDriverConfig
     from miles_fsm.states.lifecycle import Lifecycle
 
     saver = CpuMemorySaver()
     gpt = build_tiny_gpt(saver=saver)
     out = {"exact": [], "allocations": [], "pauses": []}
     if ctx.kwargs.get("coalesce"):
-        from miles_fsm.drivers.megatron import coalesce_optimizer_state
+        from miles_fsm.drivers.megatron.driver import coalesce_optimizer_state
 
         train_step(gpt, step=100)  # Adam's state exists after a step
         flat = []
@@ -226,7 +226,7 @@ def test_coalesced_optimizer_state_is_one_storage_and_still_trains(assert_no_lef
 
 def test_driver_offload_turns_off_the_default_region_backup():
     """optimizer_offload="driver" means `default` is allocated without a region backup; a bad value is refused."""
-    from miles_fsm.drivers.megatron_config import MegatronDriverConfig
+    from miles_fsm.drivers.megatron.config import MegatronDriverConfig
 
     tags = {t.tag: t.cpu_backup for t in MegatronDriverConfig(optimizer_offload="driver").tag_memory}
     assert tags == {"grad_buffer": False, "default": False, "param_buffer": False}

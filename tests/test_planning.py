@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, State, StructureVersionError, VerifyConfig
-from miles_fsm.guard import Guard
+from miles_fsm.guard.consensus import Guard
 from miles_fsm.states.planning import trusted_version
 from toy import ToyEngine, ToyTrainer
 

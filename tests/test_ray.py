@@ -35,7 +35,7 @@ def ray_runtime():
 
 
 def _run(**kwargs):
-    from miles_fsm.ray_launch import run_ranks_ray
+    from miles_fsm.launch.ray_actors import run_ranks_ray
 
     return run_ranks_ray(ranks_engine.cycles_or_diverge, 2, timeout_s=90, linger_s=8, kwargs={"timeout_s": 3.0, **kwargs})
 
@@ -90,7 +90,7 @@ def test_an_unpicklable_exception_reaches_the_controller_as_a_faithful_stand_in(
     type name, message and traceback text, and rank 0's result still comes back."""
     import ranks_live
     from miles_fsm.errors import RankRaisedError
-    from miles_fsm.ray_launch import run_ranks_ray
+    from miles_fsm.launch.ray_actors import run_ranks_ray
 
     out = run_ranks_ray(ranks_live.one_raises_unpicklable, 2, timeout_s=90, linger_s=8, kwargs={"bad": 1, "after_s": 0.5})
     assert out[0].ok and out[0].result == {"rank": 0, "fine": True}, out[0]

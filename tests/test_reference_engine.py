@@ -7,9 +7,9 @@ import torch
 
 from miles_fsm.digest import digest_tensors
 from miles_fsm.states import EngineDriver
-from miles_fsm.drivers.reference import ReferenceTrainer
-from miles_fsm.drivers.reference_model import forward
-from miles_fsm.drivers.reference_engine import ReferenceEngine
+from miles_fsm.drivers.reference.trainer import ReferenceTrainer
+from miles_fsm.drivers.reference.model import forward
+from miles_fsm.drivers.reference.engine import ReferenceEngine
 from miles_fsm.drivers.errors import EngineSessionError
 from miles_fsm.errors import MemoryReleasedError
 from miles_fsm.states.errors import MemoryTagError

@@ -9,14 +9,14 @@ from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, Strategy, VerifyC
 from miles_fsm.digest import digest_tensors
 from miles_fsm.states import TrainerDriver
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-from miles_fsm.drivers.reference import ReferenceTrainer, TrainerConfig
-from miles_fsm.drivers.reference_model import EXTRA_BUFFERS, EXTRA_PARAMS
-from miles_fsm.drivers.reference_engine import ReferenceEngine
+from miles_fsm.drivers.reference.trainer import ReferenceTrainer, TrainerConfig
+from miles_fsm.drivers.reference.model import EXTRA_BUFFERS, EXTRA_PARAMS
+from miles_fsm.drivers.reference.engine import ReferenceEngine
 from miles_fsm.drivers.errors import IneligibleModelError
 from miles_fsm.errors import ConfigError, MemoryReleasedError
 from miles_fsm.states.errors import VerificationError
-from miles_fsm.guard import Guard
-from miles_fsm.launch import RankContext, run_ranks
+from miles_fsm.guard.consensus import Guard
+from miles_fsm.launch.local import RankContext, run_ranks
 
 
 def _stack(strategy: Strategy, *, trainer_cls: type = ReferenceTrainer, guard: Guard | None = None):

@@ -18,12 +18,12 @@ import pytest
 
 from miles_fsm import Lifecycle, LifecycleConfig
 from miles_fsm.apps.cli import main
-from miles_fsm.diagnosis import diagnose, rank_ranges
-from miles_fsm.perfetto import export_perfetto
-from miles_fsm.replay import render, replay
-from miles_fsm.trace_files import find_traces
-from miles_fsm.trace_model import EpochRange, TraceDirError
-from miles_fsm.trace_reader import read_rank, read_ranks
+from miles_fsm.replay.diagnose import diagnose, rank_ranges
+from miles_fsm.replay.perfetto import export_perfetto
+from miles_fsm.replay.report import render, replay
+from miles_fsm.replay.files import find_traces
+from miles_fsm.replay.model import EpochRange, TraceDirError
+from miles_fsm.replay.read import read_rank, read_ranks
 from toy import ToyEngine, ToyTrainer
 from trace_writer import RankWriter, healthy
 

@@ -20,7 +20,7 @@ import pytest
 from test_replay import as_json, run_cli
 from trace_writer import RUN, healthy
 
-from miles_fsm.trace_index import write_index
+from miles_fsm.replay.index import write_index
 
 
 def rewrite(path: Path, edit) -> None:

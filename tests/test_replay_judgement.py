@@ -11,7 +11,7 @@ import pytest
 from miles_fsm.apps.cli import main
 from trace_writer import RankWriter
 
-from miles_fsm.launch import run_ranks
+from miles_fsm.launch.local import run_ranks
 
 
 def as_json(capsys, *argv: str) -> tuple[int, dict[str, Any]]:

@@ -243,7 +243,7 @@ def test_damaged_traces_never_crash_and_ok_means_healthy(capsys, world, cycles, 
 @example(world=2, fault=None, damages=[("shuffle", 1)])
 def test_an_index_never_changes_what_replay_says(capsys, world, fault, damages):
     """Indexes written at close, then any damage: replay says exactly what it says from the lines alone."""
-    from miles_fsm.trace_index import write_index
+    from miles_fsm.replay.index import write_index
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -286,7 +286,7 @@ def test_a_single_bit_flip_in_a_closed_trace_is_never_ok(capsys, world, rank, at
     """Any one bit of a closed trace flipped (a digit of a duration, a letter of a name): its index says the
     trace changed after close, so replay is never ok; without the index, a flip the lines cannot show (a digit
     for another) may read ok, which is why the writer leaves one."""
-    from miles_fsm.trace_index import write_index
+    from miles_fsm.replay.index import write_index
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

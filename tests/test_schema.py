@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 
 from miles_fsm import Lifecycle, LifecycleConfig
-from miles_fsm.schema import COMMON_FIELDS, EVENTS, SCHEMA_VERSION, TRACE_OPENED
+from miles_fsm.trace.schema import COMMON_FIELDS, EVENTS, SCHEMA_VERSION, TRACE_OPENED
 from miles_fsm.states import DEFINITION
 from miles_fsm.testing import run_cycles
 from toy import ToyEngine, ToyTrainer
@@ -17,7 +17,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "trace-schema.md"
 
 
 def test_the_doc_lists_exactly_the_schema_events():
-    """docs/trace-schema.md's event table names every event of miles_fsm.schema.EVENTS, and no other."""
+    """docs/trace-schema.md's event table names every event of miles_fsm.trace.schema.EVENTS, and no other."""
     text = DOC.read_text()
     common, events = text.split("## Events", 1)
     assert set(re.findall(r"^\| `([a-z_]+)` \|", common, re.M)) == set(COMMON_FIELDS)

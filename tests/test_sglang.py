@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from miles_fsm.config import LifecycleConfig, VerifyConfig
-from miles_fsm.drivers.reference import ReferenceTrainer, TrainerConfig
-from miles_fsm.drivers.sglang import (
+from miles_fsm.drivers.reference.trainer import ReferenceTrainer, TrainerConfig
+from miles_fsm.drivers.sglang.driver import (
     DistributedConfig,
     EngineCapabilities,
     HttpConfig,

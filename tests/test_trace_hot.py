@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from miles_fsm import trace_fold
-from miles_fsm.trace_files import blocks
-from miles_fsm.trace_model import RankTrace
+from miles_fsm.replay import fold as trace_fold
+from miles_fsm.replay.files import blocks
+from miles_fsm.replay.model import RankTrace
 from trace_writer import RankWriter
 
 

@@ -11,10 +11,11 @@ import pytest
 from miles_fsm.apps.cli import main
 from trace_writer import RankWriter, healthy
 
-from miles_fsm.trace_index import index_path, load_index, write_index
-from miles_fsm.trace_model import EpochRange
-from miles_fsm.trace_reader import read_rank
-from miles_fsm.tracing import TraceIndexWarning, Tracer
+from miles_fsm.replay.index import load_index, write_index
+from miles_fsm.trace.paths import index_path
+from miles_fsm.replay.model import EpochRange
+from miles_fsm.replay.read import read_rank
+from miles_fsm.trace.writer import TraceIndexWarning, Tracer
 
 
 def _replay(capsys, root: Path, *extra: str) -> tuple[int, dict]:
@@ -36,7 +37,7 @@ def _indexed_run(root: Path, world: int = 2) -> None:
 
 
 def test_a_closed_trace_leaves_an_index_that_replay_reads_instead_of_the_lines(tmp_path):
-    tracer = Tracer(tmp_path, rank=0, world=1, run="r")
+    tracer = Tracer(tmp_path, rank=0, world=1, run="r", on_close=write_index)
     tracer.emit("transition_started", epoch=1, state="TRAINING", trigger="offload", dest="OFFLOADED", steps=[])
     tracer.emit("transition_finished", epoch=1, state="OFFLOADED", trigger="offload", source="TRAINING",
                 duration_s=0.5)  # fmt: skip
@@ -109,9 +110,9 @@ def test_an_index_that_is_damaged_foreign_or_of_another_rank_is_not_used(tmp_pat
 
 
 def test_a_restart_moves_the_index_with_the_rotated_trace(tmp_path):
-    first = Tracer(tmp_path, rank=0, world=1, run="one")
+    first = Tracer(tmp_path, rank=0, world=1, run="one", on_close=write_index)
     first.close()
-    second = Tracer(tmp_path, rank=0, world=1, run="two")
+    second = Tracer(tmp_path, rank=0, world=1, run="two", on_close=write_index)
     assert second.rotated_to == tmp_path / "rank-0.jsonl.1"
     assert index_path(second.rotated_to).exists() and not index_path(second.path).exists()
     assert load_index(second.rotated_to, 0).run == "one"
@@ -122,14 +123,14 @@ def test_a_restart_moves_the_index_with_the_rotated_trace(tmp_path):
 def test_a_stale_index_beside_an_empty_trace_is_removed(tmp_path):
     (tmp_path / "rank-0.jsonl").write_bytes(b"")
     index_path(tmp_path / "rank-0.jsonl").write_bytes(b"stale")
-    tracer = Tracer(tmp_path, rank=0, world=1, run="r")
+    tracer = Tracer(tmp_path, rank=0, world=1, run="r", on_close=write_index)
     assert tracer.rotated_to is None and not index_path(tracer.path).exists()
     tracer.close()
     assert load_index(tracer.path, 0).run == "r"
 
 
 def test_an_index_that_cannot_be_written_warns_and_the_trace_stays_whole(tmp_path):
-    tracer = Tracer(tmp_path, rank=0, world=1, run="r")
+    tracer = Tracer(tmp_path, rank=0, world=1, run="r", on_close=write_index)
     index_path(tracer.path).mkdir()  # the index's name is taken by a directory: the rename fails
     with pytest.warns(TraceIndexWarning, match="its index was not written") as caught:
         tracer.close()

@@ -14,8 +14,8 @@ import pytest
 import structlog
 
 from miles_fsm import Lifecycle, LifecycleConfig
-from miles_fsm.schema import SCHEMA_VERSION
-from miles_fsm.tracing import Tracer
+from miles_fsm.trace.schema import SCHEMA_VERSION
+from miles_fsm.trace.writer import Tracer
 from toy import ToyEngine, ToyTrainer
 
 REQUIRED = {"v", "rank", "world", "epoch", "seq", "mono_ns", "wall", "event", "state", "trigger"}

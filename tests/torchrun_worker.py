@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import ranks_engine  # noqa: E402 - needs the path above
 
-from miles_fsm.torchrun import run_under_torchrun  # noqa: E402
+from miles_fsm.launch.torchrun import run_under_torchrun  # noqa: E402
 
 if __name__ == "__main__":
     out_dir, kwargs = sys.argv[1], json.loads(sys.argv[2])

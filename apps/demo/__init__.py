@@ -1,6 +1,6 @@
 """``miles-fsm demo``: the whole colocated loop on the embedded default, on CPU.
 
-N gloo ranks (``miles_fsm.launch.run_ranks``: the parent hosts the store and
+N gloo ranks (``miles_fsm.launch.local.run_ranks``: the parent hosts the store and
 always kills its children) each run K RL steps of the reference trainer and
 engine through a ``Lifecycle`` (``rank``). Every cycle is verified bit-exact
 (params and optimizer state against their pre-offload SHA256, engine weights

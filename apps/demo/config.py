@@ -160,7 +160,7 @@ class DemoConfig:
         """Once a rank failed, how long the others get to report before they are killed.
 
         A survivor may need the guard's wait for a lost peer's arrival (2 s,
-        ``miles_fsm.guard``) plus its own ``locate`` (at most 1 s) before it
+        ``miles_fsm.guard.consensus``) plus its own ``locate`` (at most 1 s) before it
         can report; a linger shorter than that kills it with its report
         unwritten, and its error never names the culprit.
         """

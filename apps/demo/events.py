@@ -1,4 +1,4 @@
-"""The demo's own trace events, written beside the lifecycle's (``miles_fsm.schema``).
+"""The demo's own trace events, written beside the lifecycle's (``miles_fsm.trace.schema``).
 
 They live here, not in the engine's schema: the engine never writes them and
 replay reads them only generically (a record with a ``culprits`` list is a

@@ -44,7 +44,7 @@ def hang_forever() -> None:
 @functools.cache
 def demo_trainer_cls() -> type:
     """``ReferenceTrainer`` plus the demo's faults (built on first use: it imports torch)."""
-    from miles_fsm.drivers.reference import ReferenceTrainer
+    from miles_fsm.drivers.reference.trainer import ReferenceTrainer
     from miles_fsm.plan import Collective, TensorSet
     from miles_fsm.states import StepKind
 

@@ -1,7 +1,7 @@
 """One rank of ``miles-fsm demo --trainer megatron``: real megatron-core on CPU gloo, through the lifecycle.
 
 A tiny GPT under megatron-core's DDP and distributed optimizer
-(``miles_fsm.drivers.megatron_cpu``, the shipped CPU opt-in), its DDP buffers
+(``miles_fsm.drivers.megatron.cpu``, the shipped CPU opt-in), its DDP buffers
 and optimizer state in a ``CpuMemorySaver``'s tags, every cycle verified
 bit-exact. There is no engine: megatron's weights do not fit the reference
 engine's model, so the push is left out and PAUSED is the engine's window.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles_fsm.apps.demo.timing import PhaseTimer
-from miles_fsm.launch import RankContext
+from miles_fsm.launch.local import RankContext
 
 __all__ = ["megatron_rank_main"]
 
@@ -21,7 +21,7 @@ __all__ = ["megatron_rank_main"]
 def megatron_rank_main(ctx: RankContext) -> dict[str, Any]:
     from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-    from miles_fsm.drivers.megatron_cpu import build_cpu_gpt_trainer
+    from miles_fsm.drivers.megatron.cpu import build_cpu_gpt_trainer
     from miles_fsm.states import State, Strategy
     from miles_fsm.states.lifecycle import Lifecycle
 

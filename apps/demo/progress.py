@@ -17,8 +17,8 @@ import orjson
 
 from miles_fsm.apps.demo.config import DemoConfig
 from miles_fsm.apps.demo.events import DEMO_FAILED, DEMO_STEP
-from miles_fsm.schema import TRANSITION_FAILED, TRANSITION_STARTED
-from miles_fsm.tracing import trace_path
+from miles_fsm.trace.schema import TRANSITION_FAILED, TRANSITION_STARTED
+from miles_fsm.trace.writer import trace_path
 
 __all__ = ["Progress"]
 

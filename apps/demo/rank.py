@@ -1,6 +1,6 @@
 """One rank of the demo: K RL steps of the reference trainer and engine through a ``Lifecycle``.
 
-Runs in a child process started by ``miles_fsm.launch.run_ranks``, so it
+Runs in a child process started by ``miles_fsm.launch.local.run_ranks``, so it
 takes plain data (``DemoConfig.to_kwargs``) and returns plain data: the timed
 rows of every phase, the epochs verified, and the host bytes held while
 PAUSED. Each step::
@@ -23,7 +23,7 @@ from miles_fsm.apps.demo.faults import demo_trainer_cls, hang_forever
 from miles_fsm.apps.demo.locate import locate, publish_pid
 from miles_fsm.apps.demo.timing import PhaseTimer
 from miles_fsm.errors import describe
-from miles_fsm.launch import RankContext
+from miles_fsm.launch.local import RankContext
 from miles_fsm.states import Strategy
 
 __all__ = ["rank_main"]
@@ -35,8 +35,8 @@ def rank_main(ctx: RankContext) -> dict[str, Any]:
 
     from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-    from miles_fsm.drivers.reference import ModelConfig, TrainerConfig
-    from miles_fsm.drivers.reference_engine import EngineConfig, ReferenceEngine
+    from miles_fsm.drivers.reference.trainer import ModelConfig, TrainerConfig
+    from miles_fsm.drivers.reference.engine import EngineConfig, ReferenceEngine
     from miles_fsm.states import State, Trigger
     from miles_fsm.states.lifecycle import Lifecycle
 

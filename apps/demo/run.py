@@ -12,12 +12,12 @@ from miles_fsm.apps.demo.megatron_rank import megatron_rank_main
 from miles_fsm.apps.demo.rank import rank_main
 from miles_fsm.apps.demo.report import DemoResult, blame
 from miles_fsm.apps.demo.tracedir import prepare_trace_dir, trace_run
-from miles_fsm.diagnosis import diagnose
+from miles_fsm.replay.diagnose import diagnose
 from miles_fsm.flight_recorder import DEFAULT_BUFFER, FR_ENV
-from miles_fsm.launch import run_ranks
-from miles_fsm.trace_model import RankTrace
-from miles_fsm.trace_reader import read_ranks
-from miles_fsm.tracing import new_run_id, trace_path
+from miles_fsm.launch.local import run_ranks
+from miles_fsm.replay.model import RankTrace
+from miles_fsm.replay.read import read_ranks
+from miles_fsm.trace.writer import new_run_id, trace_path
 
 __all__ = ["result_of", "run_demo"]
 
@@ -47,7 +47,7 @@ def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
     fn = megatron_rank_main if config.trainer == "megatron" else rank_main
     launch = run_ranks
     if config.launcher == "ray":
-        from miles_fsm.ray_launch import run_ranks_ray as launch  # type: ignore[assignment]
+        from miles_fsm.launch.ray_actors import run_ranks_ray as launch  # type: ignore[assignment]
     try:
         outcomes = launch(
             fn,

@@ -2,7 +2,7 @@
 
 torchrun's agent starts the workers, hosts the store and tears the run down
 when a worker fails. Every worker runs its rank through
-``miles_fsm.torchrun.run_under_torchrun``, which leaves its result or its
+``miles_fsm.launch.torchrun.run_under_torchrun``, which leaves its result or its
 error (with fields) in ``<trace-dir>/outcomes/``; rank 0 then waits for the
 others' files (the linger), reads the run's traces and prints the report,
 and its exit code is the demo's. The run id and the default trace
@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from miles_fsm.apps.demo.config import DemoConfig
-from miles_fsm.launch import RankError, RankOutcome
+from miles_fsm.launch.local import RankError, RankOutcome
 
 __all__ = ["TORCHRUN_ENV", "torchrun_demo", "under_torchrun"]
 
@@ -41,7 +41,7 @@ def torchrun_demo(config: DemoConfig, out: Any) -> int:
     from miles_fsm.apps.demo.rank import rank_main
     from miles_fsm.apps.demo.report import print_result
     from miles_fsm.apps.demo.run import result_of
-    from miles_fsm.torchrun import run_under_torchrun
+    from miles_fsm.launch.torchrun import run_under_torchrun
 
     rank = int(os.environ["RANK"])
     run = torchrun_run_id()

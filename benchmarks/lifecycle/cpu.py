@@ -21,7 +21,7 @@ def _cpu_rank(ctx: Any) -> dict[str, Any]:
     from miles_fsm import Guard, GuardConfig, Lifecycle, LifecycleConfig, Strategy, VerifyConfig
     from miles_fsm.digest import default_threads
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver
-    from miles_fsm.drivers.reference import ModelConfig, ReferenceTrainer, TrainerConfig
+    from miles_fsm.drivers.reference.trainer import ModelConfig, ReferenceTrainer, TrainerConfig
 
     kw = ctx.kwargs
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world))
@@ -98,7 +98,7 @@ def _cpu_rank(ctx: Any) -> dict[str, Any]:
 
 
 def run_cpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
-    from miles_fsm.launch import run_ranks
+    from miles_fsm.launch.local import run_ranks
 
     model = {"vocab": args.cpu_vocab, "dim": args.cpu_dim, "layers": args.cpu_layers, "heads": 8, "max_seq": 32}
     with tempfile.TemporaryDirectory(prefix="miles-fsm-bench-") as d:

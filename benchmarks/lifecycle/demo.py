@@ -14,7 +14,7 @@ def demo_overhead(limits: Mapping[str, Any]) -> dict[str, Any]:
     import orjson
 
     from miles_fsm.apps.demo import DemoConfig, run_demo
-    from miles_fsm.schema import ACTION_FINISHED, GUARD_PASSED, TRANSITION_FINISHED, TRANSITION_STARTED
+    from miles_fsm.trace.schema import ACTION_FINISHED, GUARD_PASSED, TRANSITION_FINISHED, TRANSITION_STARTED
 
     out: dict[str, Any] = {}
     for label, kw in (("default", {}), ("dim256_layers4", {"dim": 256, "layers": 4})):

@@ -33,7 +33,7 @@ def _build_gpt(args: argparse.Namespace, saver: Any) -> dict[str, Any]:
         from megatron.core.transformer import TransformerConfig
         from megatron.core.transformer.module import Float16Module
 
-    from miles_fsm.drivers.megatron import coalesce_optimizer_state, ddp_buffers_in_tags
+    from miles_fsm.drivers.megatron.driver import coalesce_optimizer_state, ddp_buffers_in_tags
 
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)
@@ -118,8 +118,8 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
 
     from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig
     from miles_fsm.digest import StagingRing, default_threads, digest_tensors
-    from miles_fsm.drivers.megatron import OPTIMIZER_KEY, MegatronTrainer
-    from miles_fsm.drivers.megatron_config import MegatronDriverConfig
+    from miles_fsm.drivers.megatron.driver import OPTIMIZER_KEY, MegatronTrainer
+    from miles_fsm.drivers.megatron.config import MegatronDriverConfig
     from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
     from miles_fsm.drivers.tms import TmsConfig, TmsMemorySaver
 
@@ -249,7 +249,7 @@ def wake_load_limit(saver: Any, host: Any, state: Mapping[str, Any], repeats: in
     """
     import torch
 
-    from miles_fsm.drivers.megatron import OPTIMIZER_KEY
+    from miles_fsm.drivers.megatron.driver import OPTIMIZER_KEY
     from miles_fsm.states import TRAINER_TAGS
 
     nbytes = sum(t.numel() * t.element_size() for t in state.values())

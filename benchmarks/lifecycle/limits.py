@@ -83,8 +83,8 @@ def sha256_core_GBps(nbytes: int = 64 << 20, repeats: int = 3) -> float:
 
 def trace_event_us(n: int = 2000) -> float:
     """The cost of one trace record (structlog + orjson + one write), microseconds."""
-    from miles_fsm.schema import ACTION_FINISHED
-    from miles_fsm.tracing import Tracer
+    from miles_fsm.trace.schema import ACTION_FINISHED
+    from miles_fsm.trace.writer import Tracer
 
     with tempfile.TemporaryDirectory() as d:
         tracer = Tracer(d, rank=0, world=1)
@@ -130,7 +130,7 @@ def _gloo_rank(ctx: Any) -> dict[str, float]:
 
 def gloo_latency(iters: int = 400) -> dict[str, float]:
     """Median gloo all-reduce latency of 2 local ranks, and the guard's, microseconds (rank 0)."""
-    from miles_fsm.launch import run_ranks
+    from miles_fsm.launch.local import run_ranks
 
     outcomes = run_ranks(_gloo_rank, 2, timeout_s=120, kwargs={"iters": iters})
     failed = [o for o in outcomes if not o.ok]

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from miles_fsm.schema import TRANSITION_FAILED, TRANSITION_FINISHED, TRANSITION_STARTED
+from miles_fsm.trace.schema import TRANSITION_FAILED, TRANSITION_FINISHED, TRANSITION_STARTED
 from miles_fsm.states import CYCLE as _CYCLE
 from miles_fsm.states import DEFINITION, State
 

@@ -1,0 +1,99 @@
+"""``miles-fsm replay DIR``: its flags, and the run they start (``miles_fsm.replay.replay``).
+
+Exit 0: healthy; 3: a problem was diagnosed; 2: bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import orjson
+
+from miles_fsm.flight_recorder import FlightRecorderError
+from miles_fsm.replay.checks import MAX_RANKS
+from miles_fsm.replay.model import EpochRange, TraceDirError
+from miles_fsm.replay.perfetto import OutputPathError
+from miles_fsm.replay.report import EXIT_BAD_INPUT, render, replay
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="diagnose a hang, divergence or corruption from per-rank traces",
+        description="Read DIR/rank-<r>.jsonl, re-drive the lifecycle per rank, and say where ranks diverged, "
+        "who is stuck or crashed and in what, what failed verification, and who straggles. "
+        "Exit 0: healthy; 3: a problem was diagnosed; 2: bad input.",
+    )
+    p.add_argument("dir", help="the trace directory (the --trace-dir of the run)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument(
+        "--flight-recorder", metavar="FRDIR",
+        help="a folder of fr-rank-<r>.json Flight Recorder dumps (default: those beside the traces): says which "
+        "collective each rank was in, and in which step it was issued",
+    )
+    p.add_argument("--perfetto", metavar="OUT.json", help="also write a Chrome/Perfetto timeline to OUT.json")
+    p.add_argument(
+        "--rank",
+        action="append",
+        type=_parse_ranks,
+        metavar="R",
+        help="only these ranks: 3, 0,2 or 4-7 (repeatable)",
+    )
+    p.add_argument("--epoch", type=_parse_epochs, metavar="E", help="only these epochs: 2, 2:5 or 3:")
+    p.add_argument("--run", dest="run_id", metavar="RUN_ID", help="read only this run's records, when DIR holds several runs")
+    p.add_argument("--workers", type=int, default=None, help="processes to read with (default: by trace size)")
+    p.add_argument(
+        "--straggler-ratio", type=float, default=1.5, help="flag a rank this many times the median (default 1.5)"
+    )
+    p.set_defaults(run=_run)
+
+
+def _parse_ranks(text: str) -> list[int]:
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if not 0 <= first <= last < MAX_RANKS:
+                raise argparse.ArgumentTypeError(f"--rank {part.strip()}: ranks are 0 to {MAX_RANKS - 1}, low to high")
+            out.extend(range(first, last + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--rank wants R, R,S or A-B, got {text!r}") from None
+    return out
+
+
+def _parse_epochs(text: str) -> EpochRange:
+    try:
+        return EpochRange.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    ranks = None if args.rank is None else [r for group in args.rank for r in group]
+    try:
+        diagnosis = replay(
+            args.dir,
+            ranks=ranks,
+            epochs=args.epoch,
+            workers=args.workers,
+            straggler_ratio=args.straggler_ratio,
+            perfetto=args.perfetto,
+            run=args.run_id,
+            flight_recorder=args.flight_recorder,
+        )
+    except (TraceDirError, OutputPathError, FlightRecorderError) as exc:
+        sys.stderr.write(f"miles-fsm replay: {exc}\n")
+        return EXIT_BAD_INPUT
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(diagnosis.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
+        sys.stdout.flush()
+    else:
+        render(diagnosis, sys.stdout)
+    if args.perfetto:
+        sys.stderr.write(f"wrote the Perfetto timeline to {args.perfetto} (open it at https://ui.perfetto.dev)\n")
+    return diagnosis.exit_code

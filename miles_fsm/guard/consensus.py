@@ -1,0 +1,478 @@
+"""The consensus guard: every rank agrees on a transition before any collective runs.
+
+Fast path: one all-reduce of two int64 on a gloo group of our own,
+``MAX([k, -k])``. The ranks agree exactly when ``max(k) == min(k)``. Only on a
+difference do the ranks gather their full intents to explain it.
+
+Each rank publishes where it is to the torch.distributed store before the
+all-reduce, so a rank that never arrives can be named, with its last known
+state, by every rank that did. On such a failure one survivor, the first to
+claim it in the store, reads every rank's key and publishes the report; the
+others wait for that one key, so the store serves O(N) requests, not N^2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from miles_fsm.guard.disagreement import explain_divergence
+from miles_fsm.errors import (
+    ConfigError,
+    GuardTimeoutError,
+    LastSeen,
+    PeerFailedError,
+    PeerLostError,
+    PeerNeverJoinedError,
+    PeerStepFailedError,
+    ProcessGroupMissingError,
+    RankDivergenceError,
+)
+from miles_fsm.plan import Intent
+from miles_fsm.trace.writer import new_run_id
+
+__all__ = ["Guard", "roll_call"]
+
+_SERIALS = itertools.count()
+#: Roll calls are numbered per set of ranks: the n-th over a group is the n-th on each of its ranks.
+_ROLLS: dict[tuple[int, ...], Any] = {}
+_ARRIVED = "entered guard of"
+_JOINED = "built its guard"
+_RECOVERED = "recovered from"
+
+#: A rank that waits at a guard longer than this publishes its arrival to the
+#: store, so that if some rank never comes, every rank that did can be told
+#: apart from it. Guards that pass quickly, the normal case, never touch the
+#: store: a store round trip costs as much as the guard's all-reduce itself.
+_PUBLISH_AFTER_S = 0.02
+_POLL_S = 0.01
+
+#: After a peer is lost, how long to let the other survivors publish their
+#: arrival before naming who is missing. Short: they were all about to arrive.
+_ARRIVAL_GRACE_S = 2.0
+
+#: How long a survivor waits for the reporter's report before reading the store
+#: itself (the reporter may have died): the reporter's grace, plus a loaded store's margin.
+_REPORT_WAIT_S = _ARRIVAL_GRACE_S + 3.0
+
+
+class Guard:
+    """Cross-rank agreement on transitions, one instance per rank."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        group: Any,
+        store: Any,
+        timeout_s: float,
+        name: str | None = None,
+    ) -> None:
+        self.rank = rank
+        self.world = world
+        self.timeout_s = timeout_s
+        self._group = group
+        self._store = store
+        self._buf = torch.zeros(2, dtype=torch.int64)
+        self._view = self._buf.numpy()  # element access through numpy costs ~0.1 us, torch's ~2 us
+        # Guards are built collectively, so the n-th guard of a process is the n-th on
+        # every rank: its number (and the lifecycle's name) keys what it keeps in the
+        # store, so that several lifecycles of one job (actor, ref, critic) never collide.
+        serial = next(_SERIALS) if world > 1 else 0
+        self.namespace = f"miles_fsm/{name or 'guard'}.{serial}/"
+        self._publisher = _Publisher(store, self._last_key(rank)) if world > 1 else None
+        if self._publisher is not None:
+            # Every rank's key exists from the start, so one multi_get reads them all.
+            self._publisher.set_now(_record(-1, "", "", _JOINED))
+        #: The last guard every rank passed: where a rank that later goes missing was last seen.
+        self._last_passed: LastSeen | None = None
+        #: Per trigger, the intent every rank agreed on the last time it passed.
+        self._agreed: dict[str, Intent] = {}
+        #: How many times this guard was entered: the same on every rank at the same guard,
+        #: so it names one failure's report in the store.
+        self._entries = 0
+
+    @classmethod
+    def solo(cls) -> "Guard":
+        """World size 1: nothing to agree with, nothing to pay."""
+        return cls(rank=0, world=1, group=None, store=None, timeout_s=0.0)
+
+    @classmethod
+    def from_default_group(cls, *, timeout_s: float, store: Any | None = None, name: str | None = None) -> "Guard":
+        """Build a guard over the default process group. Collective: every rank calls it.
+
+        The guard gets its own gloo group, so it never queues behind (or
+        inside) the trainer's NCCL work, and its timeout is the guard timeout.
+        """
+        return cls.from_group(None, timeout_s=timeout_s, store=store, name=name)
+
+    @classmethod
+    def from_group(
+        cls, group: Any = None, *, timeout_s: float, store: Any | None = None, name: str | None = None
+    ) -> "Guard":
+        """Build a guard over ``group`` (None: the default group). Collective over the group's ranks.
+
+        A gloo group is used as it is: pass the host's own gloo group (miles'
+        ``get_gloo_group()``) to spend no extra group. Any other group (NCCL)
+        gets a gloo group over the same ranks, so the guard never queues
+        behind NCCL work and outlives NCCL groups that the host destroys and
+        rebuilds around sleep. ``store``: where ranks publish their arrival
+        and failures; default the torch.distributed default store.
+        """
+        if not dist.is_initialized():
+            world_size = _env_world_size()
+            if world_size > 1:
+                raise ProcessGroupMissingError(world_size=world_size, rank=os.environ.get("RANK"))
+            return cls.solo()
+        world = dist.get_world_size(group)
+        if world == 1:
+            return cls.solo()
+        store = store if store is not None else _default_store()
+        # Before any collective work: a rank that never comes is named, within the guard's timeout.
+        members = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
+        roll_call(store, members=members, rank=dist.get_rank(group), timeout_s=timeout_s, name=name)
+        if group is None or dist.get_backend(group) != "gloo":
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        return cls(rank=dist.get_rank(group), world=world, group=group, store=store, timeout_s=timeout_s, name=name)
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def share_run_id(self, given: str | None = None) -> str:
+        """The run's id, the same on every rank: ``given``, else rank 0's, shared through the store.
+
+        Collective when ``given`` is None and the world is larger than 1: every
+        rank calls it, in the same order (the lifecycle does, when it is built).
+        """
+        if given:
+            return given
+        if self.world == 1:
+            return new_run_id()
+        key = f"{self.namespace}run"
+        if self.rank == 0:
+            self._store.set(key, new_run_id())
+        return bytes(self._store.get(key)).decode()
+
+    def agree(self, intent: Intent, *, state: str, timeout_s: float | None = None) -> None:
+        """Return when every rank holds the same intent; raise a GuardError otherwise.
+
+        ``timeout_s`` (at most the group's timeout) bounds this guard's wait
+        instead of the group's own timeout.
+        """
+        if self.world == 1:
+            return
+        self._entries += 1
+        arrival = _record(intent.epoch, intent.trigger, state, _ARRIVED)
+        self._publisher.arm(arrival)
+        key = intent.key
+        self._view[0] = key
+        self._view[1] = -key
+        limit = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        started = time.monotonic()
+        try:
+            if limit < self.timeout_s:
+                # A shorter wait than the group's own: the collective's wait bounds it.
+                dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True).wait(
+                    timedelta(seconds=limit)
+                )
+            else:
+                dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group)
+        except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
+            self._publisher.disarm()
+            # Make sure our own arrival is in the store before judging others'.
+            self._publisher.set_now(arrival)
+            raise self._missing_error(intent, exc, time.monotonic() - started, limit) from exc
+        self._publisher.disarm()
+        if self._view[0] != -self._view[1]:
+            raise self._divergence(intent)
+        # What every rank agreed on last for this trigger: the evidence of who changed, next time.
+        self._agreed[intent.trigger] = intent
+        self._last_passed = LastSeen(
+            rank=-1, epoch=intent.epoch, trigger=intent.trigger, state=state, phase="passed guard of", wall=time.time()
+        )
+
+    def share_outcome(self, error: BaseException | None, *, epoch: int, trigger: str, step: str) -> None:
+        """Every rank learns whether a step that some ranks ran for all of them succeeded. Collective.
+
+        A rank whose step failed re-raises its own error; the others raise
+        ``PeerStepFailedError`` naming it, so every rank commits or fails
+        together instead of waiting at the next guard for a rank that stopped.
+        """
+        if self.world == 1:
+            if error is not None:
+                raise error
+            return
+        flag = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        if int(flag[0]) == 1:
+            return
+        said: list[Any] = [None] * self.world
+        mine = None if error is None else f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        dist.all_gather_object(said, mine, group=self._group)
+        if error is not None:
+            raise error
+        failed = {r: text for r, text in enumerate(said) if text is not None}
+        raise PeerStepFailedError(epoch=epoch, trigger=trigger, step=step, ranks=sorted(failed), errors=failed)
+
+    def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str, *, step: str | None = None,
+                        error: str | None = None) -> None:  # fmt: skip
+        """Tell the store that this rank failed, so that every peer waiting for it names it, with the
+        step it failed in (None: its guard) and its exception's type, instead of calling it missing.
+        ``phase`` starts with ``"failed"``."""
+        if self.world == 1:
+            return
+        self._publisher.set_now(_record(intent_epoch, trigger, state, phase, step=step, error=error))
+
+    def publish_recovered(self, epoch: int, trigger: str, state: str) -> None:
+        """Tell the store that this rank left its failed state, so that no peer blames that failure later."""
+        if self.world == 1:
+            return
+        self._publisher.set_now(_record(epoch, trigger, state, _RECOVERED))
+
+    def last_seen(self) -> dict[int, LastSeen | None]:
+        """What the store last heard from each rank (None: nothing, or store unreachable).
+
+        One ``check`` and one ``multi_get`` for all ranks (two round trips,
+        whatever the world size), not two per rank; key by key only while
+        some rank has not even built its guard yet (a ``get`` would wait).
+        """
+        keys = [self._last_key(r) for r in range(self.world)]
+        try:
+            if self._store.check(keys):
+                raws: list[bytes | None] = list(self._store.multi_get(keys))
+            else:
+                raws = [self._store.get(k) if self._store.check([k]) else None for k in keys]
+        except RuntimeError:  # the store's host may be the rank that died
+            return {r: None for r in range(self.world)}
+        seen: dict[int, LastSeen | None] = {}
+        for r, raw in enumerate(raws):
+            record = None if raw is None else LastSeen(rank=r, **orjson.loads(raw))
+            seen[r] = None if record is None or record.phase == _JOINED else record
+        return seen
+
+    def _last_key(self, rank: int) -> str:
+        return f"{self.namespace}last/{rank}"
+
+    def _arrived(self, intent: Intent, seen: LastSeen | None) -> bool:
+        # A rank that failed in this very guard came to it: it fails with us, it is not the cause.
+        return (
+            seen is not None
+            and seen.epoch == intent.epoch
+            and seen.trigger == intent.trigger
+            and (seen.phase == _ARRIVED or (_failed(seen) and seen.step is None))
+        )
+
+    def _missing_error(self, intent: Intent, exc: RuntimeError, waited: float, limit: float) -> Exception:
+        timed_out = waited >= limit * 0.9 or "timed out" in str(exc).lower()
+        missing, failed, seen = self._missing_report(intent, timed_out)
+        last = {r: self._best_sighting(r, seen.get(r)) for r in missing}
+        said = {r: seen[r] for r in failed if seen.get(r) is not None}
+        if said and not missing:
+            # Nobody is missing: the ranks that failed on their own stopped this guard.
+            return PeerFailedError(epoch=intent.epoch, trigger=intent.trigger, failed=said)
+        if timed_out:
+            return GuardTimeoutError(
+                epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, timeout_s=limit,
+                failed=said,
+            )
+        return PeerLostError(
+            epoch=intent.epoch, trigger=intent.trigger, missing=missing, last_seen=last, cause=str(exc).splitlines()[0],
+            failed=said,
+        )
+
+    def _missing_report(
+        self, intent: Intent, timed_out: bool
+    ) -> tuple[list[int], list[int], dict[int, LastSeen | None]]:
+        """Who is missing, who failed before the guard, and what the store last heard from both, as the
+        reporter read it.
+
+        The first survivor to ``add`` to the failure's claim key reads the store and
+        publishes the report; the others spend one ``wait`` and one ``get`` on it
+        instead of polling every rank's key. A survivor reads the store itself when
+        no report comes in time (the reporter died) or the report names it (it came
+        after the reporter read).
+        """
+        key = f"{self.namespace}report/{self._entries}/{intent.epoch}/{intent.trigger}"
+        try:
+            reporter = self._store.add(f"{key}/claim", 1) == 1
+        except RuntimeError:  # the store's host is gone: reading it says so (every rank None)
+            reporter = True
+        if not reporter:
+            report = self._wait_report(key)
+            if report is not None and self.rank not in report[0]:
+                return report
+        missing, failed, seen = self._poll_missing(intent, timed_out)
+        named = {r: seen[r] for r in (*missing, *failed)}
+        if reporter:
+            sightings = {r: None if s is None else dataclasses.asdict(s) for r, s in named.items()}
+            body = {"missing": missing, "failed": failed, "seen": sightings}
+            try:
+                self._store.set(key, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS))
+            except RuntimeError:
+                pass  # the store is gone: the others' wait fails too, and they read it themselves
+        return missing, failed, named
+
+    def _wait_report(self, key: str) -> tuple[list[int], list[int], dict[int, LastSeen | None]] | None:
+        try:
+            self._store.wait([key], timedelta(seconds=_REPORT_WAIT_S))
+            body = orjson.loads(bytes(self._store.get(key)))
+        except RuntimeError:  # no report in time (torch's DistStoreError is one), or the store is gone
+            return None
+        seen = {int(r): None if d is None else LastSeen(**d) for r, d in body["seen"].items()}
+        return list(body["missing"]), list(body["failed"]), seen
+
+    def _poll_missing(
+        self, intent: Intent, timed_out: bool
+    ) -> tuple[list[int], list[int], dict[int, LastSeen | None]]:
+        deadline = time.monotonic() + (0.0 if timed_out else _ARRIVAL_GRACE_S)
+        while True:
+            seen = self.last_seen()
+            missing = [r for r in range(self.world) if not self._arrived(intent, seen[r])]
+            # Stop waiting once every rank that has not arrived has said it failed: none will come.
+            if not missing or all(_failed(seen[r]) for r in missing) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        # Ranks that published a failure are not missing: they stopped on their own, and are named as failed.
+        return [r for r in missing if not _failed(seen[r])], [r for r in missing if _failed(seen[r])], seen
+
+    def _best_sighting(self, rank: int, stored: LastSeen | None) -> LastSeen | None:
+        """The store's record if it is a failure; else the last guard all ranks passed together
+        (a rank publishes its arrival only when it waits, so the store can be stale)."""
+        if stored is not None and stored.phase.startswith("failed"):
+            return stored
+        if self._last_passed is not None:
+            p = self._last_passed
+            return LastSeen(rank=rank, epoch=p.epoch, trigger=p.trigger, state=p.state, phase=p.phase, wall=p.wall)
+        return stored
+
+    def _divergence(self, intent: Intent) -> RankDivergenceError:
+        """Explain a divergence with O(N) bytes: hashes of every field from every rank, then the
+        whole intent only from one rank per distinct intent (not every rank's from every rank)."""
+        fields = intent.fields()
+        mine = torch.tensor([_hash(value) for _, value in fields], dtype=torch.int64)
+        hashes = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(hashes, mine, group=self._group)
+        rows = [tuple(h.tolist()) for h in hashes]
+        representative = {row: rows.index(row) for row in dict.fromkeys(rows)}
+        by_rep: dict[int, Intent] = {}
+        for row, rep in representative.items():
+            box = [intent if rep == self.rank else None]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, rep), group=self._group)
+            by_rep[rep] = box[0]
+        intents = [by_rep[representative[row]] for row in rows]
+        return explain_divergence(intents, previous=self._agreed.get(intent.trigger))
+
+def roll_call(store: Any, *, members: tuple[int, ...], rank: int, timeout_s: float, name: str | None = None) -> None:
+    """Return once every rank of a group (``members``: its global ranks; ``rank``: this one's in it) has
+    called it; else raise ``PeerNeverJoinedError`` naming, by group rank, those that never did, after
+    ``timeout_s``. Collective over the group: each of its ranks calls it, in the same order.
+
+    A guard's construction is collective (its gloo group); a rank that never
+    builds it would leave the others in torch's own store wait, which names
+    nobody. Each rank's key says it came; one ``check`` per poll reads them all.
+    """
+    serial = next(_ROLLS.setdefault(members, itertools.count()))
+    ns = f"miles_fsm/roll/{name or 'guard'}.{_hash(','.join(map(str, members))):x}.{serial}/"
+    keys = [f"{ns}{r}" for r in range(len(members))]
+    store.set(keys[rank], b"1")
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            if missing:
+                raise PeerNeverJoinedError(missing=missing, timeout_s=timeout_s, name=name)
+            return
+        time.sleep(_POLL_S * 5)
+
+
+def _hash(text: str) -> int:
+    # 63 bits of a stable hash (Python's hash() differs between processes).
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def _record(epoch: int, trigger: str, state: str, phase: str, *, step: str | None = None,
+            error: str | None = None) -> bytes:  # fmt: skip
+    record = {"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()}
+    if phase.startswith("failed"):
+        record.update(step=step, error=error)
+    return orjson.dumps(record)
+
+
+class _Publisher:
+    """Publishes this rank's arrival at a guard, but only once it has waited.
+
+    ``arm``/``disarm`` are plain attribute writes on the hot path. A daemon
+    thread polls every ``_POLL_S`` and writes an arrival still armed after
+    ``_PUBLISH_AFTER_S``. ``set_now`` writes synchronously, for failure paths.
+    """
+
+    def __init__(self, store: Any, key: str) -> None:
+        self._store = store
+        self._key = key
+        self._armed: tuple[float, bytes] | None = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="miles-fsm-guard-publisher", daemon=True).start()
+
+    def arm(self, record: bytes) -> None:
+        self._armed = (time.monotonic() + _PUBLISH_AFTER_S, record)
+
+    def disarm(self) -> None:
+        self._armed = None
+
+    def set_now(self, record: bytes) -> None:
+        with self._lock:
+            self._store.set(self._key, record)
+
+    def _run(self) -> None:
+        published: tuple[float, bytes] | None = None
+        while True:
+            time.sleep(_POLL_S)
+            armed = self._armed
+            if armed is None or armed is published or time.monotonic() < armed[0]:
+                continue
+            with self._lock:
+                if self._armed is not armed:  # the guard passed (or failed) meanwhile
+                    continue
+                try:
+                    self._store.set(self._key, armed[1])
+                except RuntimeError:
+                    # The store's host is gone; the guard's failure path reports
+                    # that, and the trace keeps everything the store would have.
+                    return
+                published = armed
+
+
+def _failed(seen: LastSeen | None) -> bool:
+    return seen is not None and seen.phase.startswith("failed")
+
+
+def _env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1  # not a launcher's variable; nothing claims several ranks
+
+
+def _default_store() -> Any:
+    # torch keeps the default store behind a private name; say what to do if it moves.
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            [f"the torch.distributed default store is not reachable ({type(exc).__name__}: {exc}); pass "
+             "store= (a TCPStore, or the launcher's store) to Guard.from_group or Lifecycle"],
+            "Guard",
+        ) from exc

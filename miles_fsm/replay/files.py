@@ -1,0 +1,158 @@
+"""Finding per-rank trace files and reading them in blocks, never whole.
+
+A rank file is named ``rank-<r>.jsonl`` with ``<r>`` in ASCII digits,
+without leading zeros: the one name ``Tracer`` writes. Any other name of
+that look (``rank-01.jsonl``, ``rank-\u0662.jsonl``, a trailing space) is
+not read as a rank's trace, which it might shadow or stand in for; it is
+listed, and the replay of the directory is then never ok.
+
+Only regular files are read: a FIFO or a device named ``rank-0.jsonl`` would
+block or never end, so it is refused before anything is opened for reading.
+A line longer than a block is not a record any writer makes; it is skipped
+and stands in the line numbering as ``OVERSIZED``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_fsm.replay.checks import MAX_RANKS
+from miles_fsm.replay.model import Damage, TraceDirError
+
+__all__ = ["MAX_LINE", "OVERSIZED", "RankFiles", "blocks", "default_workers", "find_traces", "iter_lines", "preview",
+           "rank_files"]  # fmt: skip
+
+_NAME = re.compile(r"rank-(0|[1-9][0-9]*)\.jsonl")  # fullmatch: "$" would let a trailing newline through
+_BLOCK = 1 << 24
+#: The longest line read; longer ones are reported, not parsed (memory stays bounded).
+MAX_LINE = _BLOCK
+#: Stands for a line over ``MAX_LINE``: not JSON, so the reader reports it as a bad line.
+OVERSIZED = b"<a line over 16 MiB, not read>"
+
+
+@dataclass(frozen=True, slots=True)
+class RankFiles:
+    """A directory's rank files by rank, and the names that look like rank files but are not (damage)."""
+
+    files: dict[int, Path]
+    misnamed: list[Damage]
+
+
+def find_traces(path: str | os.PathLike[str]) -> dict[int, Path]:
+    """``rank-<r>.jsonl`` files in a directory, by rank. Rotated ``.jsonl.<n>`` files are older runs."""
+    return rank_files(path).files
+
+
+def rank_files(path: str | os.PathLike[str]) -> RankFiles:
+    """The rank files of a directory, and its look-alike names. Raises ``TraceDirError`` when it holds none."""
+    root = Path(path)
+    if not root.exists():
+        raise TraceDirError(root, "no such directory")
+    if not root.is_dir():
+        raise TraceDirError(root, "not a directory (give the folder that holds rank-<r>.jsonl)")
+    try:
+        names = os.listdir(root)
+    except OSError as exc:
+        raise TraceDirError(root, f"cannot list it ({exc.strerror or exc})") from exc
+    found = {int(m.group(1)): root / n for n in names if (m := _NAME.fullmatch(n))}
+    odd = sorted(n for n in names if _looks_like_a_rank_file(n) and not _NAME.fullmatch(n))
+    if not found:
+        also = f" ({', '.join(map(repr, odd[:4]))}: {_NOT_A_NAME})" if odd else ""
+        raise TraceDirError(root, f"holds no rank-<r>.jsonl trace files{also}")
+    for rank, p in found.items():
+        if rank >= MAX_RANKS:
+            raise TraceDirError(p, f"rank {rank} is beyond any world replay reads (at most {MAX_RANKS} ranks)")
+        try:
+            mode = os.stat(p).st_mode  # follows a symlink: its target must be a regular file
+        except OSError as exc:
+            raise TraceDirError(p, f"cannot read it ({exc.strerror or exc})") from exc
+        _check_regular(p, mode)
+    misnamed = [Damage(path=str(root / n), line=0, records=0, reason=_misnamed(n, found)) for n in odd]
+    return RankFiles(files=dict(sorted(found.items())), misnamed=misnamed)
+
+
+_NOT_A_NAME = "not a rank file name (a rank's trace is rank-<r>.jsonl, <r> in ASCII digits without leading zeros)"
+
+
+def _looks_like_a_rank_file(name: str) -> bool:
+    return name.startswith("rank-") and name.strip().lower().endswith(".jsonl")
+
+
+def _misnamed(name: str, found: dict[int, Path]) -> str:
+    try:
+        rank: int | None = int(name.strip()[len("rank-") : -len(".jsonl")])
+    except ValueError:
+        rank = None
+    beside = f"; it would read as rank {rank}" + (f", beside {found[rank].name}" if rank in found else "") \
+        if rank is not None and rank >= 0 else ""  # fmt: skip
+    return f"{_NOT_A_NAME}: not read{beside}"
+
+
+def _check_regular(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")  # fmt: skip
+        raise TraceDirError(path, f"is {kind}, not a regular file; replay reads only regular files")
+
+
+def default_workers(paths: Iterable[Path]) -> int:
+    # A worker process costs about a second to start (it imports torch through
+    # miles_fsm), so spread only when there is far more than that to read.
+    total = 0
+    for p in paths:
+        try:
+            total += p.stat().st_size
+        except OSError:
+            continue  # read_rank reports it
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cpus, 8) if total > 256 << 20 else 1
+
+
+def blocks(path: Path) -> Iterable[tuple[list[bytes], bool]]:
+    """(lines, True) block by block; then ([the incomplete last line], False) if there is one.
+
+    Opened without blocking and checked again once open, so a file swapped
+    for a FIFO after ``find_traces`` looked cannot hang the reader.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb", buffering=0) as f:
+        _check_regular(path, os.fstat(fd).st_mode)
+        tail = b""
+        skipping = False  # inside a line over MAX_LINE: drop bytes up to its newline
+        while True:
+            block = f.read(_BLOCK)
+            if not block:
+                break
+            head: list[bytes] = []
+            if skipping:
+                nl = block.find(b"\n")
+                if nl < 0:
+                    continue
+                block, skipping, head = block[nl + 1 :], False, [OVERSIZED]
+            lines = (tail + block if tail else block).split(b"\n")
+            tail = lines.pop()
+            if len(tail) > MAX_LINE:
+                tail, skipping = b"", True
+            yield (head + lines if head else lines), True
+    if skipping:
+        yield [OVERSIZED], False
+    elif tail:
+        yield [tail], False
+
+
+def preview(line: bytes) -> str:
+    return line[:120].decode("utf-8", "replace")
+
+
+def iter_lines(path: Path) -> Iterable[tuple[int, bytes, bool]]:
+    """(line number, bytes, complete) for each line, read in blocks; the last may be incomplete."""
+    lineno = 0
+    for lines, complete in blocks(path):
+        for line in lines:
+            lineno += 1
+            yield lineno, line, complete
