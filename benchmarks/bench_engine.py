@@ -37,7 +37,8 @@ class NullTrainer:
     """A trainer driver that does nothing, in the shape of ``TrainerDriver``."""
 
     def __init__(self) -> None:
-        from miles_fsm import Strategy, TensorSet
+        from miles_fsm import Strategy
+        from miles_fsm.plan import TensorSet
 
         self._strategy = Strategy.REMATERIALIZE
         self._set = TensorSet(())

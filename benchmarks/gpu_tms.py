@@ -43,7 +43,7 @@ MODES = {
 def _import_tms() -> types.ModuleType:
     """``miles_fsm.drivers.tms``, installed or straight from this checkout.
 
-    The driver needs only torch and ``miles_fsm/errors.py``; when miles-fsm or
+    The driver needs only torch and ``miles_fsm/errors/``; when miles-fsm or
     its other dependencies are not installed (a bare GPU host), the two files
     are loaded from the checkout without running the package ``__init__``s.
     """

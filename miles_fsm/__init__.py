@@ -11,205 +11,107 @@ from miles_fsm.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
+#: What an embedder needs, by the module that defines it. Everything else
+#: imports from its own module: the table's parts from ``miles_fsm.states``,
+#: every error from ``miles_fsm.errors`` (whose docstring says where each lives).
 _EXPORTS = {
-    "AsyncLifecycle": "miles_fsm.states.aio",
-    "AsyncMachine": "miles_fsm.aio.machine",
-    "AsyncSnapshot": "miles_fsm.aio.machine",
-    "BufferRoutingError": "miles_fsm.drivers.errors",
-    "CYCLE": "miles_fsm.states",
-    "Collective": "miles_fsm.plan",
-    "ConfigError": "miles_fsm.errors",
-    "DEFINITION": "miles_fsm.states",
-    "Definition": "miles_fsm.definition",
-    "CudaAvailableError": "miles_fsm.drivers.errors",
-    "DIGEST_SCHEME": "miles_fsm.digest",
-    "DefinitionError": "miles_fsm.errors",
-    "DriverProtocolError": "miles_fsm.states.errors",
-    "EngineDriver": "miles_fsm.states.protocols",
-    "EngineRequestError": "miles_fsm.drivers.errors",
-    "EngineSessionError": "miles_fsm.drivers.errors",
-    "EngineUpdateError": "miles_fsm.drivers.errors",
-    "Failure": "miles_fsm.machine",
-    "FaultLocatedError": "miles_fsm.apps.errors",
-    "FlightRecorderError": "miles_fsm.flight_recorder",
-    "Guard": "miles_fsm.guard.consensus",
-    "GuardConfig": "miles_fsm.config",
-    "GuardError": "miles_fsm.errors",
-    "GuardTimeoutError": "miles_fsm.errors",
-    "HostCopyMissingError": "miles_fsm.drivers.errors",
-    "InFlight": "miles_fsm.machine",
-    "IneligibleModelError": "miles_fsm.drivers.errors",
-    "Intent": "miles_fsm.plan",
-    "LastSeen": "miles_fsm.errors",
-    "LauncherLostError": "miles_fsm.launch.local",
-    "RankStoppedError": "miles_fsm.launch.local",
+    # The lifecycle, its small frozen configs and what it reports.
     "Lifecycle": "miles_fsm.states.lifecycle",
     "LifecycleConfig": "miles_fsm.config",
-    "Machine": "miles_fsm.machine",
-    "MemoryLedger": "miles_fsm.states.memory",
-    "MemoryReleasedError": "miles_fsm.errors",
-    "MemoryTagError": "miles_fsm.states.errors",
-    "MilesFsmError": "miles_fsm.errors",
-    "MissingDependencyError": "miles_fsm.drivers.errors",
-    "PeerFailedError": "miles_fsm.errors",
-    "PeerLostError": "miles_fsm.errors",
-    "PeerNeverJoinedError": "miles_fsm.errors",
-    "PeerStepFailedError": "miles_fsm.errors",
-    "ProcessGroupMissingError": "miles_fsm.errors",
-    "Plan": "miles_fsm.machine",
-    "PlannedStep": "miles_fsm.machine",
-    "RankDivergenceError": "miles_fsm.errors",
-    "RankFailedError": "miles_fsm.errors",
-    "RankRaisedError": "miles_fsm.errors",
-    "RecoveryError": "miles_fsm.states.errors",
-    "ResumeMemoryError": "miles_fsm.drivers.errors",
-    "RolloutWindow": "miles_fsm.states.aio",
-    "Side": "miles_fsm.states",
+    "GuardConfig": "miles_fsm.config",
+    "VerifyConfig": "miles_fsm.config",
     "Snapshot": "miles_fsm.states.lifecycle",
     "State": "miles_fsm.states",
-    "StateChange": "miles_fsm.aio.machine",
-    "StateChanges": "miles_fsm.aio.machine",
-    "Step": "miles_fsm.states",
-    "StepKind": "miles_fsm.states",
-    "StepReport": "miles_fsm.states.protocols",
-    "StepResult": "miles_fsm.machine",
-    "Strategy": "miles_fsm.states",
-    "StructureVersionError": "miles_fsm.states.errors",
-    "TensorSet": "miles_fsm.plan",
-    "TensorSetChangedError": "miles_fsm.states.errors",
-    "UndeclaredCollectiveError": "miles_fsm.states.errors",
-    "UnsupportedVersionError": "miles_fsm.drivers.errors",
-    "TensorSpec": "miles_fsm.plan",
-    "TrainerDriver": "miles_fsm.states.protocols",
-    "VersionedTrainer": "miles_fsm.states.protocols",
-    "Transition": "miles_fsm.definition",
-    "TransitionCancelled": "miles_fsm.errors",
-    "TransitionNotAllowed": "miles_fsm.errors",
-    "TransitionResult": "miles_fsm.machine",
     "Trigger": "miles_fsm.states",
+    "Strategy": "miles_fsm.states",
+    "Guard": "miles_fsm.guard.consensus",
+    # The seams: implement these for your stack; the reference drivers are the worked example.
+    "TrainerDriver": "miles_fsm.states.protocols",
+    "EngineDriver": "miles_fsm.states.protocols",
+    "VersionedTrainer": "miles_fsm.states.protocols",
+    "StepReport": "miles_fsm.states.protocols",
+    "ReferenceTrainer": "miles_fsm.drivers.reference.trainer",
+    "ReferenceEngine": "miles_fsm.drivers.reference.engine",
+    # The async lifecycle.
+    "AsyncLifecycle": "miles_fsm.states.aio",
+    "AsyncSnapshot": "miles_fsm.aio.machine",
+    "RolloutWindow": "miles_fsm.states.aio",
+    "StateChange": "miles_fsm.aio.machine",
+    # The launchers' entry points.
+    "run_ranks": "miles_fsm.launch.local",
+    "run_ranks_ray": "miles_fsm.launch.ray_actors",
+    "run_under_torchrun": "miles_fsm.launch.torchrun",
+    "RankOutcome": "miles_fsm.launch.local",
+    # The errors a caller catches at the top.
+    "MilesFsmError": "miles_fsm.errors",
+    "ConfigError": "miles_fsm.errors",
+    "DriverProtocolError": "miles_fsm.states.errors",
+    "TransitionNotAllowed": "miles_fsm.errors",
+    "GuardError": "miles_fsm.errors",
+    "RankFailedError": "miles_fsm.errors",
+    "RecoveryError": "miles_fsm.states.errors",
     "VerificationError": "miles_fsm.states.errors",
-    "VerifyConfig": "miles_fsm.config",
-    "WeightChecksumError": "miles_fsm.drivers.errors",
-    "digest_tensors": "miles_fsm.digest",
-    "WeightVersionError": "miles_fsm.states.errors",
+    "LauncherLostError": "miles_fsm.launch.local",
+    "RankStoppedError": "miles_fsm.launch.local",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "AsyncLifecycle",
+    "AsyncSnapshot",
+    "ConfigError",
+    "DriverProtocolError",
+    "EngineDriver",
+    "Guard",
+    "GuardConfig",
+    "GuardError",
+    "LauncherLostError",
+    "Lifecycle",
+    "LifecycleConfig",
+    "MilesFsmError",
+    "RankFailedError",
+    "RankOutcome",
+    "RankStoppedError",
+    "RecoveryError",
+    "ReferenceEngine",
+    "ReferenceTrainer",
+    "RolloutWindow",
+    "Snapshot",
+    "State",
+    "StateChange",
+    "StepReport",
+    "Strategy",
+    "TrainerDriver",
+    "TransitionNotAllowed",
+    "Trigger",
+    "VerificationError",
+    "VerifyConfig",
+    "VersionedTrainer",
+    "__version__",
+    "run_ranks",
+    "run_ranks_ray",
+    "run_under_torchrun",
+]
 
 if TYPE_CHECKING:
-    from miles_fsm.aio.machine import (  # noqa: F401
-        AsyncMachine,
-        AsyncSnapshot,
-        StateChange,
-        StateChanges,
-    )
-    from miles_fsm.apps.errors import (  # noqa: F401
-        FaultLocatedError,
-    )
-    from miles_fsm.config import (  # noqa: F401
-        GuardConfig,
-        LifecycleConfig,
-        VerifyConfig,
-    )
-    from miles_fsm.definition import (  # noqa: F401
-        Definition,
-        Transition,
-    )
-    from miles_fsm.digest import (  # noqa: F401
-        DIGEST_SCHEME,
-        digest_tensors,
-    )
-    from miles_fsm.drivers.errors import (  # noqa: F401
-        BufferRoutingError,
-        CudaAvailableError,
-        EngineRequestError,
-        EngineSessionError,
-        EngineUpdateError,
-        HostCopyMissingError,
-        IneligibleModelError,
-        MissingDependencyError,
-        ResumeMemoryError,
-        UnsupportedVersionError,
-        WeightChecksumError,
-    )
+    from miles_fsm.aio.machine import AsyncSnapshot, StateChange  # noqa: F401
+    from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig  # noqa: F401
+    from miles_fsm.drivers.reference.engine import ReferenceEngine  # noqa: F401
+    from miles_fsm.drivers.reference.trainer import ReferenceTrainer  # noqa: F401
     from miles_fsm.errors import (  # noqa: F401
         ConfigError,
-        DefinitionError,
         GuardError,
-        GuardTimeoutError,
-        LastSeen,
-        MemoryReleasedError,
         MilesFsmError,
-        PeerFailedError,
-        PeerLostError,
-        PeerNeverJoinedError,
-        PeerStepFailedError,
-        ProcessGroupMissingError,
-        RankDivergenceError,
         RankFailedError,
-        RankRaisedError,
-        TransitionCancelled,
         TransitionNotAllowed,
     )
-    from miles_fsm.guard.consensus import (  # noqa: F401
-        Guard,
-    )
-    from miles_fsm.launch.local import (  # noqa: F401
-        LauncherLostError,
-        RankStoppedError,
-    )
-    from miles_fsm.flight_recorder import FlightRecorderError  # noqa: F401
-    from miles_fsm.machine import (  # noqa: F401
-        Failure,
-        InFlight,
-        Machine,
-        Plan,
-        PlannedStep,
-        StepResult,
-        TransitionResult,
-    )
-    from miles_fsm.plan import (  # noqa: F401
-        Collective,
-        Intent,
-        TensorSet,
-        TensorSpec,
-    )
-    from miles_fsm.states import (  # noqa: F401
-        CYCLE,
-        DEFINITION,
-        Side,
-        State,
-        Step,
-        StepKind,
-        Strategy,
-        Trigger,
-    )
-    from miles_fsm.states.aio import (  # noqa: F401
-        AsyncLifecycle,
-        RolloutWindow,
-    )
-    from miles_fsm.states.errors import (  # noqa: F401
-        DriverProtocolError,
-        MemoryTagError,
-        RecoveryError,
-        StructureVersionError,
-        UndeclaredCollectiveError,
-        TensorSetChangedError,
-        VerificationError,
-        WeightVersionError,
-    )
-    from miles_fsm.states.lifecycle import (  # noqa: F401
-        Lifecycle,
-        Snapshot,
-    )
-    from miles_fsm.states.memory import (  # noqa: F401
-        MemoryLedger,
-    )
-    from miles_fsm.states.protocols import (  # noqa: F401
-        EngineDriver,
-        StepReport,
-        TrainerDriver,
-        VersionedTrainer,
-    )
+    from miles_fsm.guard.consensus import Guard  # noqa: F401
+    from miles_fsm.launch.local import LauncherLostError, RankOutcome, RankStoppedError, run_ranks  # noqa: F401
+    from miles_fsm.launch.ray_actors import run_ranks_ray  # noqa: F401
+    from miles_fsm.launch.torchrun import run_under_torchrun  # noqa: F401
+    from miles_fsm.states import State, Strategy, Trigger  # noqa: F401
+    from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow  # noqa: F401
+    from miles_fsm.states.errors import DriverProtocolError, RecoveryError, VerificationError  # noqa: F401
+    from miles_fsm.states.lifecycle import Lifecycle, Snapshot  # noqa: F401
+    from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver, VersionedTrainer  # noqa: F401
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from miles_fsm.lazy import lazy_exports
 
-from miles_fsm.states import definition as _definition
 from miles_fsm.states.definition import (
     CYCLE,
     DEFINITION,
@@ -40,7 +39,33 @@ _LAZY = {
     "VersionedTrainer": "miles_fsm.states.protocols",
 }
 
-__all__ = sorted([*_definition.__all__, *_LAZY])
+# The table's names (imported above) and the lazy ones; tests/test_public_api.py checks that this
+# list is exactly those, so it cannot drift from them.
+__all__ = [
+    "AsyncLifecycle",
+    "CYCLE",
+    "DEFINITION",
+    "Definition",
+    "ENGINE_TAGS",
+    "EngineDriver",
+    "Lifecycle",
+    "MemoryLedger",
+    "RolloutWindow",
+    "Side",
+    "Snapshot",
+    "State",
+    "Step",
+    "StepKind",
+    "StepReport",
+    "Strategy",
+    "TRAINER_TAGS",
+    "TrainerDriver",
+    "Transition",
+    "Trigger",
+    "VersionedTrainer",
+    "lifecycle_definition",
+    "steps_for",
+]
 
 if TYPE_CHECKING:
     from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow

@@ -31,7 +31,11 @@ class StepReport:
 
 @runtime_checkable
 class TrainerDriver(Protocol):
-    """One trainer rank: its weights, its memory, its collectives."""
+    """One trainer rank: its weights, its memory, its collectives.
+
+    Exactly what the lifecycle calls, and what ``check_driver`` requires; a
+    driver may have more (the reference trainer's ``copy`` and ``get``).
+    """
 
     @property
     def strategy(self) -> Strategy:
@@ -44,14 +48,6 @@ class TrainerDriver(Protocol):
 
     def restore(self, tag: str) -> StepReport | None:
         """Write ``tag``'s host copy back into the model."""
-        ...
-
-    def copy(self, src_tag: str, dst_tag: str) -> None:
-        """Copy one tag's host copy to another (e.g. actor to old_actor)."""
-        ...
-
-    def get(self, tag: str) -> Mapping[str, torch.Tensor]:
-        """The host copy held for ``tag``."""
         ...
 
     def cast_main_to_params(self) -> StepReport | None:

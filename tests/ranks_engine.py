@@ -69,7 +69,8 @@ def failing_step(ctx: RankContext) -> dict[str, Any]:
 
 def double_pause(ctx: RankContext) -> dict[str, Any]:
     """A second pause of a paused trainer tag is refused and never reaches the driver."""
-    from miles_fsm import MemoryTagError, Side
+    from miles_fsm.states import Side
+    from miles_fsm.states.errors import MemoryTagError
 
     lc, trainer = build(ctx)
     lc.start()
@@ -99,7 +100,8 @@ def illegal(ctx: RankContext) -> dict[str, Any]:
 
 def train_guard(ctx: RankContext) -> dict[str, Any]:
     """Guard a train step whose all-reduce size differs on one rank; report the outcome."""
-    from miles_fsm import Collective, RankDivergenceError
+    from miles_fsm.errors import RankDivergenceError
+    from miles_fsm.plan import Collective
 
     lc, _ = build(ctx)
     lc.start()

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_fsm import DefinitionError, State, Trigger
+from miles_fsm import State, Trigger
+from miles_fsm.errors import DefinitionError
 from miles_fsm.states.diagram import lifecycle_markdown
 from miles_fsm.states import DEFINITION, Side, Step, StepKind, Transition, lifecycle_definition
 

@@ -108,7 +108,8 @@ def test_one_rank_calls_the_engine_and_every_rank_shares_the_outcome(fail_push, 
 def test_several_ranks_in_the_environment_without_a_process_group_is_an_error(monkeypatch):
     """WORLD_SIZE=2 but no init_process_group: building a Lifecycle raises ProcessGroupMissingError (it used to
     run alone, its guards checking nothing and its trace claiming rank 0); Guard.solo() runs one rank on purpose."""
-    from miles_fsm import Guard, ProcessGroupMissingError
+    from miles_fsm import Guard
+    from miles_fsm.errors import ProcessGroupMissingError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

@@ -11,6 +11,9 @@ import miles_fsm.drivers.errors as driver_errors
 import miles_fsm.errors as engine_errors
 import miles_fsm.flight_recorder as flight_recorder
 import miles_fsm.launch.local as launch
+import miles_fsm.replay.model as replay_model
+import miles_fsm.replay.perfetto as perfetto
+import miles_fsm.replay.runs as replay_runs
 import miles_fsm.states.errors as state_errors
 from miles_fsm.errors import LastSeen, MilesFsmError, describe, plain
 
@@ -64,6 +67,9 @@ SAMPLES = [
     launch.LauncherLostError(rank=1, launcher_pid=4242),
     launch.RankStoppedError(rank=1, reason="peer_failed", failed=[0]),
     engine_errors.RankRaisedError(rank=1, type_name="OSError", message="socket closed", traceback_text="Traceback ..."),
+    replay_model.TraceDirError("traces/", "holds no rank-*.jsonl"),
+    replay_runs.MixedRunsError("traces/", {"a": ["rank-0.jsonl"], "b": ["rank-1.jsonl"]}, ["rank 1"]),
+    perfetto.OutputPathError("traces/rank-0.jsonl", "would overwrite the run's evidence"),
 ]
 
 

@@ -9,17 +9,15 @@ from miles_fsm import (
     GuardConfig,
     Lifecycle,
     LifecycleConfig,
-    MemoryTagError,
     RecoveryError,
-    Side,
     State,
     Strategy,
-    TensorSetChangedError,
     TransitionNotAllowed,
     VerificationError,
     VerifyConfig,
-    WeightVersionError,
 )
+from miles_fsm.states import Side
+from miles_fsm.states.errors import MemoryTagError, TensorSetChangedError, WeightVersionError
 from toy import ToyEngine, ToyTrainer
 
 CYCLE = ("offload", "pause", "rematerialize", "sync", "resume")

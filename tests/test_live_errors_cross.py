@@ -18,7 +18,8 @@ import pytest
 from miles_fsm.errors import GuardError, LastSeen, MilesFsmError
 
 _MODULES = ("miles_fsm.errors", "miles_fsm.states.errors", "miles_fsm.drivers.errors", "miles_fsm.apps.errors",
-            "miles_fsm.launch.local", "miles_fsm.flight_recorder")  # fmt: skip
+            "miles_fsm.launch.local", "miles_fsm.flight_recorder", "miles_fsm.replay.model", "miles_fsm.replay.runs",
+            "miles_fsm.replay.perfetto")  # fmt: skip
 
 
 class MyDriverError(MilesFsmError):
@@ -69,6 +70,8 @@ def _sample(annotation: str, name: str) -> typing.Any:
         return {1: "RuntimeError: boom"}
     if a.startswith("Mapping"):
         return {"k": "v"}
+    if a.startswith("dict[str|None,list[str]]"):
+        return {"run-a": ["rank-0.jsonl"], None: ["rank-1.jsonl"]}
     if a.startswith(("Sequence[int]", "tuple[int")):
         return (1, 2)
     if a.startswith(("Sequence", "tuple")):

@@ -26,6 +26,7 @@ def test_wheel_installs_and_imports_all_three_packages(tmp_path):
     assert "miles_fsm/py.typed" in names
     assert "miles_fsm/states/definition.py" in names
     assert "miles_fsm/states/protocols.py" in names
+    assert "miles_fsm/errors/__init__.py" in names and "miles_fsm/errors/guard.py" in names
     assert "miles_fsm/drivers/reference/trainer.py" in names
     assert "miles_fsm/apps/cli.py" in names
     assert any(n.endswith("entry_points.txt") for n in names)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, State, StructureVersionError, VerifyConfig
+from miles_fsm import GuardConfig, Lifecycle, LifecycleConfig, State, VerifyConfig
+from miles_fsm.states.errors import StructureVersionError
 from miles_fsm.guard.consensus import Guard
 from miles_fsm.states.planning import trusted_version
 from toy import ToyEngine, ToyTrainer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import ranks_engine
-from miles_fsm import GuardTimeoutError, RankDivergenceError
+from miles_fsm.errors import GuardTimeoutError, RankDivergenceError
 
 ray = pytest.importorskip("ray", reason="needs ray (the 'test' extra installs it)")
 

@@ -105,7 +105,8 @@ def _gloo_rank(ctx: Any) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from miles_fsm import Guard, Intent, TensorSet
+    from miles_fsm import Guard
+    from miles_fsm.plan import Intent, TensorSet
 
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
     guard = Guard.from_default_group(timeout_s=60)

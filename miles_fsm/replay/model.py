@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_fsm.errors import MilesFsmError
 from miles_fsm.replay.checks import plain_int
 
 __all__ = [
@@ -40,17 +41,14 @@ FINISHED, FAILED, CANCELLED, OPEN, UNCLOSED = b"F", b"X", b"C", b"O", b"U"
 NO_GUARD: tuple[Any, ...] = (None, (), None)
 
 
-class TraceDirError(ValueError):
+class TraceDirError(MilesFsmError, ValueError):
     """The trace directory cannot be read or holds no trace: bad input, exit code 2."""
 
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         self.path = str(path)
         self.reason = reason
+        # Raised in reader worker processes: MilesFsmError's pickling brings it back as itself.
         super().__init__(f"{self.path}: {reason}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Raised in reader worker processes: it must cross back as itself.
-        return type(self), (self.path, self.reason)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

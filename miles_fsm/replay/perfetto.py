@@ -44,6 +44,7 @@ from miles_fsm.trace.schema import (
     VERIFY_FAILED,
     error_fields,
 )
+from miles_fsm.errors import MilesFsmError
 from miles_fsm.replay.checks import invalid, label
 from miles_fsm.replay.model import EpochRange, RankTrace
 from miles_fsm.replay.order import records
@@ -51,7 +52,7 @@ from miles_fsm.replay.order import records
 __all__ = ["STATE_TID", "TRANSITION_TID", "OutputPathError", "check_output", "export_perfetto"]
 
 
-class OutputPathError(ValueError):
+class OutputPathError(MilesFsmError, ValueError):
     """``--perfetto OUT`` cannot be written there: bad input, exit code 2."""
 
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:

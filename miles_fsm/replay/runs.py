@@ -33,9 +33,6 @@ class MixedRunsError(TraceDirError):
             else ""  # fmt: skip
         super().__init__(path, f"holds traces of {len(files)} runs: {runs}{midway}; pick one with --run RUN_ID")
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return type(self), (self.path, self.files, self.changing)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunChoice:
