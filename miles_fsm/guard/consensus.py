@@ -354,7 +354,8 @@ class Guard:
         deadline = time.monotonic() + (0.0 if timed_out else _ARRIVAL_GRACE_S)
         while True:
             seen = self.last_seen()
-            missing = [r for r in range(self.world) if not self._arrived(intent, seen[r])]
+            # This rank is here, whatever the store says (it may have refused our arrival).
+            missing = [r for r in range(self.world) if r != self.rank and not self._arrived(intent, seen[r])]
             # Stop waiting once every rank that has not arrived has said it failed: none will come.
             if not missing or all(_failed(seen[r]) for r in missing) or time.monotonic() >= deadline:
                 break
