@@ -79,7 +79,7 @@ class Guard:
         # (its global ranks, the lifecycle's name), so that several lifecycles of one job
         # (actor, ref, critic) never collide, and a guard over a subgroup on some ranks
         # does not shift the keys of the others' guards.
-        members = tuple(dist.get_process_group_ranks(group)) if world > 1 else (0,)
+        members = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
         self.namespace = group_namespace("guard", members, name)
         self._publisher = Publisher(store, self._last_key(rank), rank=rank) if world > 1 else None
         if self._publisher is not None:
