@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -34,9 +33,9 @@ from miles_fsm.errors import (
     RankDivergenceError,
 )
 from miles_fsm.guard.disagreement import explain_divergence
-from miles_fsm.guard.store import default_store, env_world_size, group_namespace, stable_hash
-from miles_fsm.guard.publisher import GuardStoreWarning, Publisher, record
+from miles_fsm.guard.publisher import Publisher, note_on, record, warn_each
 from miles_fsm.guard.roll_call import roll_call
+from miles_fsm.guard.store import default_store, env_world_size, group_namespace, stable_hash
 from miles_fsm.plan import Intent
 from miles_fsm.trace.writer import new_run_id
 
@@ -75,10 +74,9 @@ class Guard:
         self._store = store
         self._buf = torch.zeros(2, dtype=torch.int64)
         self._view = self._buf.numpy()  # element access through numpy costs ~0.1 us, torch's ~2 us
-        # What the guard keeps in the store is keyed by what every rank of its group shares
-        # (its global ranks, the lifecycle's name), so that several lifecycles of one job
-        # (actor, ref, critic) never collide, and a guard over a subgroup on some ranks
-        # does not shift the keys of the others' guards.
+        # Its store keys follow from what every rank of its group shares (its global ranks, the
+        # lifecycle's name): lifecycles of one job (actor, ref) never collide, and a guard over a
+        # subgroup on some ranks does not shift the keys of the others' guards.
         members = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
         self.namespace = group_namespace("guard", members, name)
         self._publisher = Publisher(store, self._last_key(rank), rank=rank) if world > 1 else None
@@ -155,7 +153,7 @@ class Guard:
         if self._publisher is None:
             return
         self._publisher.close()
-        self._warn(self._publisher.take_errors())
+        warn_each(self._publisher.take_errors())
 
     def share_run_id(self, given: str | None = None) -> str:
         """The run's id, the same on every rank: ``given``, else rank 0's, shared through the store.
@@ -204,12 +202,11 @@ class Guard:
             except RuntimeError as store_exc:  # the store's host may be the lost peer: still name who is missing
                 self._publisher.keep(self._last_key(self.rank), store_exc)
             error = self._missing_error(intent, exc, time.monotonic() - started, limit)
-            for kept in self._publisher.take_errors():
-                # The store's records of this rank may be stale: say why, beside who is missing.
-                error.add_note(f"miles-fsm: {kept}")
+            note_on(error, self._publisher.take_errors())  # the store's records of us may be stale: say why
             raise error from exc
         self._publisher.disarm()
-        self._warn(self._publisher.take_errors())
+        if kept := self._publisher.take_errors():  # a store error fails no guard that agreed: it is reported
+            warn_each(kept)
         if self._view[0] != -self._view[1]:
             raise self._divergence(intent)
         # What every rank agreed on last for this trigger: the evidence of who changed, next time.
@@ -389,11 +386,6 @@ class Guard:
             by_rep[rep] = box[0]
         intents = [by_rep[representative[row]] for row in rows]
         return explain_divergence(intents, previous=self._agreed.get(intent.trigger))
-
-    @staticmethod
-    def _warn(errors: list[GuardStoreWarning]) -> None:
-        for kept in errors:
-            warnings.warn(kept, stacklevel=3)
 
 
 def _failed(seen: LastSeen | None) -> bool:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
 
-__all__ = ["GuardStoreWarning", "Publisher", "record"]
+__all__ = ["GuardStoreWarning", "Publisher", "note_on", "record", "warn_each"]
 
 #: A rank that waits at a guard longer than this publishes its arrival to the
 #: store, so that if some rank never comes, every rank that did can be told
@@ -51,6 +53,21 @@ def record(epoch: int, trigger: str, state: str, phase: str, *, step: str | None
     if phase.startswith("failed"):
         body.update(step=step, error=error)
     return orjson.dumps(body)
+
+
+def warn_each(kept: Sequence[GuardStoreWarning]) -> None:
+    """Warn with each kept store error, from the guard's caller (the guard itself passed)."""
+    for warning in kept:
+        warnings.warn(warning, stacklevel=3)
+
+
+def note_on(error: BaseException, kept: Sequence[GuardStoreWarning]) -> None:
+    """Say each kept store error on the guard's ``error``: a note (a warning before Python 3.11, which has none)."""
+    for warning in kept:
+        if hasattr(error, "add_note"):
+            error.add_note(f"miles-fsm: {warning}")
+        else:  # pragma: no cover - Python 3.10
+            warnings.warn(warning, stacklevel=3)
 
 
 class Publisher:
@@ -89,13 +106,13 @@ class Publisher:
         with self._lock:
             self._errors.append(GuardStoreWarning(rank=self._rank, key=key, cause=exc))
 
-    def take_errors(self) -> list[GuardStoreWarning]:
+    def take_errors(self) -> tuple[GuardStoreWarning, ...]:
         """The store errors kept since the last call, each handed over once."""
         if not self._errors:  # the hot path: one attribute read
-            return []
+            return ()
         with self._lock:
             errors, self._errors = self._errors, []
-        return errors
+        return tuple(errors)
 
     @property
     def running(self) -> bool:
