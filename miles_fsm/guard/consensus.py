@@ -34,7 +34,7 @@ from miles_fsm.errors import (
 )
 from miles_fsm.guard.disagreement import explain_divergence
 from miles_fsm.guard.publisher import Publisher, note_on, record, warn_each
-from miles_fsm.guard.roll_call import roll_call
+from miles_fsm.guard.roll import roll_call
 from miles_fsm.guard.store import default_store, env_world_size, group_namespace, stable_hash
 from miles_fsm.plan import Intent
 from miles_fsm.trace.writer import new_run_id
