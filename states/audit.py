@@ -111,8 +111,8 @@ class PlanAudit:
 
 def guard_pg(guard: Guard) -> str | None:
     """The name of the guard's own process group, as the recorder names it (None: no group)."""
-    # The guard keeps its group private; its collectives are no step's, so the audit must know it.
-    group = getattr(guard, "_group", None)
+    # The guard's collectives are no step's, so the audit must know its group.
+    group = guard.group
     return str(group.group_name) if group is not None and hasattr(group, "group_name") else None
 
 

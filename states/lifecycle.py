@@ -452,6 +452,7 @@ class Lifecycle:
         ``error``: why the run ends, if it ends by an error outside any
         transition; replay then does not call the run healthy.
         """
+        self._guard.close()  # its publisher thread; first, as closing the trace may raise
         self.tracer.close(epoch=self.epoch, state=self.state.value, error=error)
 
     def __enter__(self) -> Lifecycle:

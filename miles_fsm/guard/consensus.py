@@ -14,10 +14,7 @@ others wait for that one key, so the store serves O(N) requests, not N^2.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import itertools
 import os
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -26,36 +23,27 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from miles_fsm.guard.disagreement import explain_divergence
 from miles_fsm.errors import (
-    ConfigError,
     GuardTimeoutError,
     LastSeen,
     PeerFailedError,
     PeerLostError,
-    PeerNeverJoinedError,
     PeerStepFailedError,
     ProcessGroupMissingError,
     RankDivergenceError,
 )
+from miles_fsm.guard.disagreement import explain_divergence
+from miles_fsm.guard.publisher import Publisher, note_on, record, warn_each
+from miles_fsm.guard.roll import roll_call
+from miles_fsm.guard.store import default_store, env_world_size, group_namespace, stable_hash
 from miles_fsm.plan import Intent
 from miles_fsm.trace.writer import new_run_id
 
-__all__ = ["Guard", "roll_call"]
+__all__ = ["Guard"]
 
-_SERIALS = itertools.count()
-#: Roll calls are numbered per set of ranks: the n-th over a group is the n-th on each of its ranks.
-_ROLLS: dict[tuple[int, ...], Any] = {}
 _ARRIVED = "entered guard of"
 _JOINED = "built its guard"
 _RECOVERED = "recovered from"
-
-#: A rank that waits at a guard longer than this publishes its arrival to the
-#: store, so that if some rank never comes, every rank that did can be told
-#: apart from it. Guards that pass quickly, the normal case, never touch the
-#: store: a store round trip costs as much as the guard's all-reduce itself.
-_PUBLISH_AFTER_S = 0.02
-_POLL_S = 0.01
 
 #: After a peer is lost, how long to let the other survivors publish their
 #: arrival before naming who is missing. Short: they were all about to arrive.
@@ -86,15 +74,15 @@ class Guard:
         self._store = store
         self._buf = torch.zeros(2, dtype=torch.int64)
         self._view = self._buf.numpy()  # element access through numpy costs ~0.1 us, torch's ~2 us
-        # Guards are built collectively, so the n-th guard of a process is the n-th on
-        # every rank: its number (and the lifecycle's name) keys what it keeps in the
-        # store, so that several lifecycles of one job (actor, ref, critic) never collide.
-        serial = next(_SERIALS) if world > 1 else 0
-        self.namespace = f"miles_fsm/{name or 'guard'}.{serial}/"
-        self._publisher = _Publisher(store, self._last_key(rank)) if world > 1 else None
+        # Its store keys follow from what every rank of its group shares (its global ranks, the
+        # lifecycle's name): lifecycles of one job (actor, ref) never collide, and a guard over a
+        # subgroup on some ranks does not shift the keys of the others' guards.
+        members = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
+        self.namespace = group_namespace("guard", members, name)
+        self._publisher = Publisher(store, self._last_key(rank), rank=rank) if world > 1 else None
         if self._publisher is not None:
             # Every rank's key exists from the start, so one multi_get reads them all.
-            self._publisher.set_now(_record(-1, "", "", _JOINED))
+            self._publisher.set_now(record(-1, "", "", _JOINED))
         #: The last guard every rank passed: where a rank that later goes missing was last seen.
         self._last_passed: LastSeen | None = None
         #: Per trigger, the intent every rank agreed on the last time it passed.
@@ -131,14 +119,14 @@ class Guard:
         and failures; default the torch.distributed default store.
         """
         if not dist.is_initialized():
-            world_size = _env_world_size()
+            world_size = env_world_size()
             if world_size > 1:
                 raise ProcessGroupMissingError(world_size=world_size, rank=os.environ.get("RANK"))
             return cls.solo()
         world = dist.get_world_size(group)
         if world == 1:
             return cls.solo()
-        store = store if store is not None else _default_store()
+        store = store if store is not None else default_store()
         # Before any collective work: a rank that never comes is named, within the guard's timeout.
         members = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world))
         roll_call(store, members=members, rank=dist.get_rank(group), timeout_s=timeout_s, name=name)
@@ -150,6 +138,22 @@ class Guard:
     @property
     def active(self) -> bool:
         return self.world > 1
+
+    @property
+    def group(self) -> Any:
+        """The gloo process group the guard's collectives run on (None: world size 1)."""
+        return self._group
+
+    def close(self) -> None:
+        """Stop the thread that publishes this rank's arrivals, and join it. Idempotent.
+
+        Agreement still works after it (it needs no store), but a peer lost at a later
+        guard is told this rank's state only from the last guard all ranks passed.
+        """
+        if self._publisher is None:
+            return
+        self._publisher.close()
+        warn_each(self._publisher.take_errors())
 
     def share_run_id(self, given: str | None = None) -> str:
         """The run's id, the same on every rank: ``given``, else rank 0's, shared through the store.
@@ -175,7 +179,7 @@ class Guard:
         if self.world == 1:
             return
         self._entries += 1
-        arrival = _record(intent.epoch, intent.trigger, state, _ARRIVED)
+        arrival = record(intent.epoch, intent.trigger, state, _ARRIVED)
         self._publisher.arm(arrival)
         key = intent.key
         self._view[0] = key
@@ -193,9 +197,16 @@ class Guard:
         except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
             self._publisher.disarm()
             # Make sure our own arrival is in the store before judging others'.
-            self._publisher.set_now(arrival)
-            raise self._missing_error(intent, exc, time.monotonic() - started, limit) from exc
+            try:
+                self._publisher.set_now(arrival)
+            except RuntimeError as store_exc:  # the store's host may be the lost peer: still name who is missing
+                self._publisher.keep(self._last_key(self.rank), store_exc)
+            error = self._missing_error(intent, exc, time.monotonic() - started, limit)
+            note_on(error, self._publisher.take_errors())  # the store's records of us may be stale: say why
+            raise error from exc
         self._publisher.disarm()
+        if kept := self._publisher.take_errors():  # a store error fails no guard that agreed: it is reported
+            warn_each(kept)
         if self._view[0] != -self._view[1]:
             raise self._divergence(intent)
         # What every rank agreed on last for this trigger: the evidence of who changed, next time.
@@ -234,13 +245,13 @@ class Guard:
         ``phase`` starts with ``"failed"``."""
         if self.world == 1:
             return
-        self._publisher.set_now(_record(intent_epoch, trigger, state, phase, step=step, error=error))
+        self._publisher.set_now(record(intent_epoch, trigger, state, phase, step=step, error=error))
 
     def publish_recovered(self, epoch: int, trigger: str, state: str) -> None:
         """Tell the store that this rank left its failed state, so that no peer blames that failure later."""
         if self.world == 1:
             return
-        self._publisher.set_now(_record(epoch, trigger, state, _RECOVERED))
+        self._publisher.set_now(record(epoch, trigger, state, _RECOVERED))
 
     def last_seen(self) -> dict[int, LastSeen | None]:
         """What the store last heard from each rank (None: nothing, or store unreachable).
@@ -321,8 +332,8 @@ class Guard:
             body = {"missing": missing, "failed": failed, "seen": sightings}
             try:
                 self._store.set(key, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS))
-            except RuntimeError:
-                pass  # the store is gone: the others' wait fails too, and they read it themselves
+            except RuntimeError as exc:  # the others' wait fails too, and they read the store themselves
+                self._publisher.keep(key, exc)
         return missing, failed, named
 
     def _wait_report(self, key: str) -> tuple[list[int], list[int], dict[int, LastSeen | None]] | None:
@@ -340,7 +351,8 @@ class Guard:
         deadline = time.monotonic() + (0.0 if timed_out else _ARRIVAL_GRACE_S)
         while True:
             seen = self.last_seen()
-            missing = [r for r in range(self.world) if not self._arrived(intent, seen[r])]
+            # This rank is here, whatever the store says (it may have refused our arrival).
+            missing = [r for r in range(self.world) if r != self.rank and not self._arrived(intent, seen[r])]
             # Stop waiting once every rank that has not arrived has said it failed: none will come.
             if not missing or all(_failed(seen[r]) for r in missing) or time.monotonic() >= deadline:
                 break
@@ -362,7 +374,7 @@ class Guard:
         """Explain a divergence with O(N) bytes: hashes of every field from every rank, then the
         whole intent only from one rank per distinct intent (not every rank's from every rank)."""
         fields = intent.fields()
-        mine = torch.tensor([_hash(value) for _, value in fields], dtype=torch.int64)
+        mine = torch.tensor([stable_hash(value) for _, value in fields], dtype=torch.int64)
         hashes = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(hashes, mine, group=self._group)
         rows = [tuple(h.tolist()) for h in hashes]
@@ -375,104 +387,6 @@ class Guard:
         intents = [by_rep[representative[row]] for row in rows]
         return explain_divergence(intents, previous=self._agreed.get(intent.trigger))
 
-def roll_call(store: Any, *, members: tuple[int, ...], rank: int, timeout_s: float, name: str | None = None) -> None:
-    """Return once every rank of a group (``members``: its global ranks; ``rank``: this one's in it) has
-    called it; else raise ``PeerNeverJoinedError`` naming, by group rank, those that never did, after
-    ``timeout_s``. Collective over the group: each of its ranks calls it, in the same order.
-
-    A guard's construction is collective (its gloo group); a rank that never
-    builds it would leave the others in torch's own store wait, which names
-    nobody. Each rank's key says it came; one ``check`` per poll reads them all.
-    """
-    serial = next(_ROLLS.setdefault(members, itertools.count()))
-    ns = f"miles_fsm/roll/{name or 'guard'}.{_hash(','.join(map(str, members))):x}.{serial}/"
-    keys = [f"{ns}{r}" for r in range(len(members))]
-    store.set(keys[rank], b"1")
-    deadline = time.monotonic() + timeout_s
-    while not store.check(keys):
-        if time.monotonic() >= deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            if missing:
-                raise PeerNeverJoinedError(missing=missing, timeout_s=timeout_s, name=name)
-            return
-        time.sleep(_POLL_S * 5)
-
-
-def _hash(text: str) -> int:
-    # 63 bits of a stable hash (Python's hash() differs between processes).
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
-
-
-def _record(epoch: int, trigger: str, state: str, phase: str, *, step: str | None = None,
-            error: str | None = None) -> bytes:  # fmt: skip
-    record = {"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()}
-    if phase.startswith("failed"):
-        record.update(step=step, error=error)
-    return orjson.dumps(record)
-
-
-class _Publisher:
-    """Publishes this rank's arrival at a guard, but only once it has waited.
-
-    ``arm``/``disarm`` are plain attribute writes on the hot path. A daemon
-    thread polls every ``_POLL_S`` and writes an arrival still armed after
-    ``_PUBLISH_AFTER_S``. ``set_now`` writes synchronously, for failure paths.
-    """
-
-    def __init__(self, store: Any, key: str) -> None:
-        self._store = store
-        self._key = key
-        self._armed: tuple[float, bytes] | None = None
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, name="miles-fsm-guard-publisher", daemon=True).start()
-
-    def arm(self, record: bytes) -> None:
-        self._armed = (time.monotonic() + _PUBLISH_AFTER_S, record)
-
-    def disarm(self) -> None:
-        self._armed = None
-
-    def set_now(self, record: bytes) -> None:
-        with self._lock:
-            self._store.set(self._key, record)
-
-    def _run(self) -> None:
-        published: tuple[float, bytes] | None = None
-        while True:
-            time.sleep(_POLL_S)
-            armed = self._armed
-            if armed is None or armed is published or time.monotonic() < armed[0]:
-                continue
-            with self._lock:
-                if self._armed is not armed:  # the guard passed (or failed) meanwhile
-                    continue
-                try:
-                    self._store.set(self._key, armed[1])
-                except RuntimeError:
-                    # The store's host is gone; the guard's failure path reports
-                    # that, and the trace keeps everything the store would have.
-                    return
-                published = armed
-
 
 def _failed(seen: LastSeen | None) -> bool:
     return seen is not None and seen.phase.startswith("failed")
-
-
-def _env_world_size() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1  # not a launcher's variable; nothing claims several ranks
-
-
-def _default_store() -> Any:
-    # torch keeps the default store behind a private name; say what to do if it moves.
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError) as exc:
-        raise ConfigError(
-            [f"the torch.distributed default store is not reachable ({type(exc).__name__}: {exc}); pass "
-             "store= (a TCPStore, or the launcher's store) to Guard.from_group or Lifecycle"],
-            "Guard",
-        ) from exc
