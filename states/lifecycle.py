@@ -103,10 +103,14 @@ class Lifecycle:
         self._intents: dict[str, Intent] = {}
         self._engine = engine
         strategy = trainer.strategy
+        #: A guard given by the host is the host's to close (it may serve several lifecycles); one built here is ours.
+        self._own_guard: Guard | None = None
         try:
-            self._guard = guard or Guard.from_group(
-                group, timeout_s=self._config.guard.longest_s, store=store, name=self._config.name
-            )
+            if guard is None:
+                guard = self._own_guard = Guard.from_group(
+                    group, timeout_s=self._config.guard.longest_s, store=store, name=self._config.name
+                )
+            self._guard = guard
         except PeerNeverJoinedError as exc:  # the wait, and who never came, go in this rank's trace
             self._trace_unbuilt(exc, group, strategy, sink, trace_meta or {})
             raise
@@ -452,7 +456,8 @@ class Lifecycle:
         ``error``: why the run ends, if it ends by an error outside any
         transition; replay then does not call the run healthy.
         """
-        self._guard.close()  # its publisher thread; first, as closing the trace may raise
+        if self._own_guard is not None:
+            self._own_guard.close()  # its publisher thread; first, as closing the trace may raise
         self.tracer.close(epoch=self.epoch, state=self.state.value, error=error)
 
     def __enter__(self) -> Lifecycle:
