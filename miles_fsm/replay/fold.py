@@ -35,6 +35,8 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+import orjson
+
 from miles_fsm.trace.schema import (
     ACTION_FINISHED,
     ACTION_STARTED,
@@ -66,8 +68,9 @@ def fold(
     # The hot loop keeps its state in locals: it runs once per line of every rank. What only the rare
     # records touch (the machine's table, the run, the identity, notes, bad lines) is in ``st``.
     st = FoldState(t, path, epochs, want_run, run_known)
-    hot, nan, rank, version, run0, world0 = HOT_EVENTS, math.nan, t.rank, SCHEMA_VERSION, st.run0, st.world0
+    loads, hot, nan, rank, version, run0, world0 = orjson.loads, HOT_EVENTS, math.nan, t.rank, SCHEMA_VERSION, st.run0, st.world0
     epochs_append, sigs_append, guards_append = t.epochs.append, t.sigs.append, t.guards.append
+    sig_ids, guard_ids, checked, machine, pending, table = st.sig_ids, st.guard_ids, st.checked, None, None, None
     work_append, outcome = t.work_s.append, t.outcome
     # The open transition: its line (0: none), sig id, guard id (-1: no guard record yet), phase, and its
     # transition_started line, parsed only if it stays open.
@@ -135,7 +138,11 @@ def fold(
                     steps = rec.get("steps")
                     sig = (rec.get("trigger"), rec.get("state"), rec.get("dest"),
                            tuple(steps) if steps.__class__ is list else ())  # fmt: skip
-                if (sig_id := st.sig_id(sig, lineno, line)) < 0:
+                try:
+                    sig_id = sig_ids.get(sig, -1)
+                except TypeError:  # a list or an object where a name belongs: reported as a bad line below
+                    sig_id = -1
+                if sig_id < 0 and (sig_id := st.new_sig(sig, lineno, line)) < 0:
                     skipped += 1
                     continue
                 if cur_line:
@@ -144,7 +151,14 @@ def fold(
                 cur_epoch = epoch if epoch.__class__ is int and lo <= epoch < hi else -1
                 cur_line, cur_sig, cur_guard, cur_guard_s, cur_phase = lineno, sig_id, -1, 0.0, "planning"
                 cur_raw = line
-                st.started(lineno, rec, line, sig_id, sig, len(outcome))
+                if machine is None:
+                    machine = sig[1]
+                if table is None:
+                    pending = sig[2]  # no table to check against: the trace is believed
+                else:  # what the table says of this transition from here: (why it is illegal or None, its dest)
+                    verdict, pending = checked.get((machine, sig_id)) or st.check(machine, sig_id, sig)
+                    if verdict is not None:
+                        st.illegal(lineno, rec if rec is not None else loads(line), verdict, len(outcome))
             elif event == TRANSITION_FINISHED:
                 state = h.state if h is not None else rec.get("state")
                 if state is not None and state.__class__ is not str:
@@ -154,16 +168,21 @@ def fold(
                 if cur_line:
                     d = h.duration_s if h is not None else rec.get("duration_s")
                     close(FINISHED, d - cur_guard_s if d.__class__ is float else nan)
-                st.finished(lineno, rec, line, state, len(outcome) - 1, was_open=cur_line != 0)
-                cur_line = 0
+                if not cur_line or (pending is not None and state != pending):
+                    st.finished_oddly(lineno, rec, line, state, pending, len(outcome) - 1, was_open=cur_line != 0)
+                cur_line, machine, pending = 0, state, None
             elif event == GUARD_ENTERED:
                 if cur_line:
                     if h is not None:
                         cols, key, tensors = h.collectives, h.key, h.tensors
                     else:
                         cols, key, tensors = rec.get("collectives"), rec.get("key"), rec.get("tensors")
-                    if (guard_id := st.guard_id((key, tuple(cols) if cols.__class__ is list else (), tensors),
-                                                lineno, line)) < 0:  # fmt: skip
+                    g = (key, tuple(cols) if cols.__class__ is list else (), tensors)
+                    try:
+                        guard_id = guard_ids.get(g, -1)
+                    except TypeError:  # a list or an object where a name belongs: reported as a bad line below
+                        guard_id = -1
+                    if guard_id < 0 and (guard_id := st.new_guard(g, lineno, line)) < 0:
                         skipped += 1
                         continue
                     cur_guard, cur_phase = guard_id, "guard"
@@ -174,11 +193,12 @@ def fold(
             elif event == VERIFIED:
                 t.verified += 1
             else:
+                st.machine, st.pending = machine, pending
                 if (done := st.rare(event, rec, lineno, line, cur_line, skipped, prev_raw, close)) == OUT:
                     return False
                 skipped += done & SKIPPED
                 cur_line = 0 if done & CLOSED else cur_line
-                run0 = st.run0
+                run0, machine, pending, table = st.run0, st.machine, st.pending, st.table
     if not st.end(lineno, skipped, last_parsed_line, last_raw):
         return False
     if cur_line:

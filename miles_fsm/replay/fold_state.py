@@ -50,7 +50,6 @@ OUT = -1
 #: ``FoldState.rare``'s answer, bits: the line was skipped (a bad record); the open transition was closed.
 SKIPPED, CLOSED = 1, 2
 
-_UNCHECKED = object()
 _UNSET = object()
 _NO_RUN = object()
 _COMMON = frozenset(("v", "run", "rank", "world", "epoch", "seq", "mono_ns", "wall", "event", "state", "trigger"))
@@ -121,36 +120,24 @@ class FoldState:
     def bad(self, line: int, reason: str, raw: bytes) -> None:
         self.t.bad.append(BadLine(path=str(self.path), line=line, reason=reason, text=preview(raw)))
 
-    def sig_id(self, sig: tuple[Any, ...], lineno: int, line: bytes) -> int:
-        """The id of a transition's signature in ``t.sig_table``; -1 (reported as a bad line) if it is none."""
-        try:
-            sig_id = self.sig_ids.get(sig, -1)
-        except TypeError:  # a list or an object where a name belongs
-            sig_id, why = -1, "a list or an object where a name belongs"
-        else:
-            why = bad_sig(sig) if sig_id < 0 else None
+    def new_sig(self, sig: tuple[Any, ...], lineno: int, line: bytes) -> int:
+        """A new transition signature's id in ``t.sig_table``; -1 (reported as a bad line) if it is none."""
+        why = _unfit(sig, bad_sig)
         if why is not None:
             self.bad(lineno, f"not a trace record: {why}", line)
             return -1
-        if sig_id < 0:
-            sig_id = self.sig_ids[sig] = len(self.t.sig_table)
-            self.t.sig_table.append(sig)
+        sig_id = self.sig_ids[sig] = len(self.t.sig_table)
+        self.t.sig_table.append(sig)
         return sig_id
 
-    def guard_id(self, g: tuple[Any, ...], lineno: int, line: bytes) -> int:
-        """The id of a guard's (key, collectives, tensors) in ``t.guard_table``; -1 (a bad line) if it is none."""
-        try:
-            guard_id = self.guard_ids.get(g, -1)
-        except TypeError:  # a list or an object where a name belongs
-            guard_id, why = -1, "a list or an object where a name belongs"
-        else:
-            why = bad_guard(g) if guard_id < 0 else None
+    def new_guard(self, g: tuple[Any, ...], lineno: int, line: bytes) -> int:
+        """A new guard's (key, collectives, tensors) id in ``t.guard_table``; -1 (a bad line) if it is none."""
+        why = _unfit(g, bad_guard)
         if why is not None:
             self.bad(lineno, f"not a trace record: {why}", line)
             return -1
-        if guard_id < 0:
-            guard_id = self.guard_ids[g] = len(self.t.guard_table)
-            self.t.guard_table.append(g)
+        guard_id = self.guard_ids[g] = len(self.t.guard_table)
+        self.t.guard_table.append(g)
         return guard_id
 
     # ----------------------------------------------------------- machine
@@ -163,36 +150,26 @@ class FoldState:
                     state=label(state) if state is not None else None, reason=reason)  # fmt: skip
         )
 
-    def started(self, lineno: int, rec: dict[str, Any] | None, line: bytes, sig_id: int, sig: tuple[Any, ...],
-                position: int) -> None:  # fmt: skip
-        """Re-drive the machine with a ``transition_started``: note it if the table forbids it."""
-        trigger, source, dest = sig[0], sig[1], sig[2]
-        if self.machine is None:
-            self.machine = source
+    def check(self, machine: str | None, sig_id: int, sig: tuple[Any, ...]) -> tuple[str | None, str | None]:
+        """What the table says of transition ``sig`` from ``machine``: why it is illegal (or None), and where
+        the machine goes; kept per (machine, signature)."""
         table = self.table
-        if table is None:
-            self.pending = dest  # no table to check against: the trace is believed
-            return
-        key = (self.machine, sig_id)
-        verdict = self.checked.get(key, _UNCHECKED)
-        if verdict is _UNCHECKED:
-            verdict = self.checked[key] = table.forbids(self.machine, trigger, source, dest, sig[3])
-        if verdict is not None:
-            self.illegal(lineno, rec if rec is not None else orjson.loads(line), verdict, position)
-        legal = table.arrows.get((self.machine, trigger))
-        self.pending = legal[0] if legal is not None and self.machine == source else dest
+        assert table is not None  # the fold asks only once trace_opened gave a table
+        trigger, source, dest = sig[0], sig[1], sig[2]
+        verdict = table.forbids(machine, trigger, source, dest, sig[3])
+        legal = table.arrows.get((machine, trigger))
+        answer = self.checked[(machine, sig_id)] = (verdict, legal[0] if legal is not None and machine == source
+                                                   else dest)  # fmt: skip
+        return answer
 
-    def finished(self, lineno: int, rec: dict[str, Any] | None, line: bytes, state: str | None, position: int, *,
-                 was_open: bool) -> None:  # fmt: skip
-        """Re-drive the machine with a ``transition_finished``: note one without a start, or in another state."""
+    def finished_oddly(self, lineno: int, rec: dict[str, Any] | None, line: bytes, state: str | None,
+                       pending: str | None, position: int, *, was_open: bool) -> None:  # fmt: skip
+        """Note a ``transition_finished`` without a start, or in another state than the machine moves to."""
+        rec = rec if rec is not None else orjson.loads(line)
         if not was_open:
-            rec = rec if rec is not None else orjson.loads(line)
             self.illegal(lineno, rec, "transition_finished without transition_started", position)
-        if self.pending is not None and state != self.pending:
-            rec = rec if rec is not None else orjson.loads(line)
-            self.illegal(lineno, rec, f"finished in {state}, but the machine moves to {self.pending}", position)
-        self.machine = state
-        self.pending = None
+        if pending is not None and state != pending:
+            self.illegal(lineno, rec, f"finished in {state}, but the machine moves to {pending}", position)
 
     # ------------------------------------------------------- rare records
 
@@ -349,3 +326,12 @@ def _identity_damage(t: RankTrace, path: Path, world: Any, foreign: dict[tuple[s
                                 reason=f"rank {t.rank} is beyond the world of {t.world} its records give"))  # fmt: skip
 
 
+
+
+def _unfit(key: tuple[Any, ...], bad: Callable[[tuple[Any, ...]], str | None]) -> str | None:
+    """Why ``key`` cannot be a table's entry: unhashable, or ``bad`` says so."""
+    try:
+        hash(key)
+    except TypeError:
+        return "a list or an object where a name belongs"
+    return bad(key)
