@@ -27,6 +27,9 @@ step (a step larger than the lines is lost records; a smaller one is
 disorder or a duplicate, or another run). Then it returns False and the
 reader sorts the records first: the check costs a few integer operations
 per record.
+
+The loop here holds only what nearly every line takes; the rare records,
+the bad lines and the end of a file are ``miles_fsm.replay.fold_state``'s.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ def fold(
     # The hot loop keeps its state in locals: it runs once per line of every rank. What only the rare
     # records touch (the machine's table, the run, the identity, notes, bad lines) is in ``st``.
     st = FoldState(t, path, epochs, want_run, run_known)
-    loads, hot, nan, rank, version, run0, world0 = orjson.loads, HOT_EVENTS, math.nan, t.rank, SCHEMA_VERSION, st.run0, st.world0
+    loads, hot, nan, rank, version = orjson.loads, HOT_EVENTS, math.nan, t.rank, SCHEMA_VERSION
+    run0, world0 = st.run0, st.world0  # copies of st's, read again after st changes them
     epochs_append, sigs_append, guards_append = t.epochs.append, t.sigs.append, t.guards.append
     sig_ids, guard_ids, checked, machine, pending, table = st.sig_ids, st.guard_ids, st.checked, None, None, None
     work_append, outcome = t.work_s.append, t.outcome
