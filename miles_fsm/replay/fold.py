@@ -117,7 +117,9 @@ def fold(
                 world0 = st.world0
             if seq.__class__ is not int or (k := seq - lineno + skipped) < offset:
                 return False
-            offset, last_parsed_line, prev_raw, last_raw = k, lineno, last_raw, line
+            offset = k
+            last_parsed_line = lineno
+            prev_raw, last_raw = last_raw, line
             if epochs is not None and (h.epoch if h is not None else rec.get("epoch")) not in epochs \
                     and event != TRACE_OPENED and event != TRACE_CLOSED:  # fmt: skip
                 continue
