@@ -334,7 +334,7 @@ class Lifecycle:
                                  check=epoch > 0 and self._actions.verifies(epoch))  # fmt: skip
 
     def _collectives(self, step: Step) -> tuple[Any, ...]:
-        if step.side is Side.ENGINE or step.kind is StepKind.PUSH_WEIGHTS:
+        if engine_side(step):
             return self._engine.collectives(step) if self._engine is not None else ()
         return self._trainer.collectives(step)
 
