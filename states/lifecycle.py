@@ -5,10 +5,10 @@ holds the rules that make it the colocated lifecycle:
 
 - **planning**: which steps run (by weight strategy, and engine steps only
   with an engine), the collectives each declares, and the intent the guard
-  compares, built from rank-uniform facts only;
+  compares, built from rank-uniform facts only (its parts: states/planning.py);
 - **the epoch rule**: +1 at each ``offload``;
 - **the recovery rule**: leaving FAILED only to a state whose memory is
-  really there, never skipping a verification.
+  really there, never skipping a verification (its checks: states/recovery.py).
 
 With ``torch.distributed`` initialized, construction is collective: every
 rank must build its ``Lifecycle`` (it creates the guard's gloo group). The
@@ -27,14 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from miles_fsm.config import LifecycleConfig
 from miles_fsm.errors import PeerNeverJoinedError, describe
-from miles_fsm.states.errors import RecoveryError
 from miles_fsm.guard.consensus import Guard
 from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
-from miles_fsm.plan import Intent
 from miles_fsm.trace.schema import GUARD_FAILED, RECOVERED, STORE_UNREACHABLE, TRACE_OPENED
 from miles_fsm.states.actions import Actions
 from miles_fsm.states.audit import dump_beside_trace, make_audit
-from miles_fsm.states.planning import TensorSetCache
+from miles_fsm.states.planning import Intents, engine_side, shared
+from miles_fsm.states.recovery import check_rebuilt, check_target, match_memory
 from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
 from miles_fsm.replay.index import write_index
@@ -42,7 +41,7 @@ from miles_fsm.trace.writer import NullTracer, Tracer, TraceSink, new_run_id
 
 if TYPE_CHECKING:
     from miles_fsm.definition import Definition, Transition
-    from miles_fsm.plan import Collective
+    from miles_fsm.plan import Collective, Intent
 
 __all__ = ["Lifecycle", "Snapshot"]
 
@@ -99,8 +98,7 @@ class Lifecycle:
             check_driver(engine, EngineDriver, "engine")
         self._config = config or LifecycleConfig()
         self._trainer = trainer
-        self._tensor_sets = TensorSetCache(trainer)
-        self._intents: dict[str, Intent] = {}
+        self._intents = Intents(trainer)
         self._engine = engine
         strategy = trainer.strategy
         #: A guard given by the host is the host's to close (it may serve several lifecycles); one built here is ours.
@@ -118,14 +116,14 @@ class Lifecycle:
         self._actions = Actions(trainer=trainer, engine=engine, verify=self._config.verify, tracer=tracer,
                                 calls_engine=engine_leader is not False)  # fmt: skip
         table = self._actions.table
-        shared = engine_leader is not None and self._guard.active
+        share = engine_leader is not None and self._guard.active
         self._audit = make_audit(self._config.verify, self._guard)
         # Names and the step selection are fixed facts of the table and the
         # drivers: computed once here, not on every trigger.
         self._plans = {
             t.trigger: tuple(
-                PlannedStep(str(s), s, self._audited(self._shared(table[s.kind], t.trigger) if shared and
-                            _engine_side(s) else table[s.kind], t.trigger, str(s), i == 0, i == len(steps) - 1))
+                PlannedStep(str(s), s, self._audited(shared(table[s.kind], self._guard, t.trigger.value) if share and
+                            engine_side(s) else table[s.kind], t.trigger, str(s), i == 0, i == len(steps) - 1))
                 for steps in [self._steps(t, strategy)] for i, s in enumerate(steps)
             )
             for t in DEFINITION.transitions
@@ -316,20 +314,6 @@ class Lifecycle:
 
     # --------------------------------------------------------------- planning
 
-    def _shared(self, action: Callable[[Step, int], Any], trigger: Trigger) -> Callable[[Step, int], Any]:
-        """``action``, then its outcome shared with every rank (see ``engine_leader``)."""
-
-        def run(step: Step, epoch: int) -> Any:
-            try:
-                report = action(step, epoch)
-            except Exception as exc:  # handed to every rank, then re-raised here by share_outcome
-                self._guard.share_outcome(exc, epoch=epoch, trigger=trigger.value, step=str(step))
-                raise
-            self._guard.share_outcome(None, epoch=epoch, trigger=trigger.value, step=str(step))
-            return report
-
-        return run
-
     def _steps(self, t: Transition[State, Trigger], strategy: Strategy) -> tuple[Step, ...]:
         return tuple(s for s in steps_for(t, strategy) if self._applies(s))
 
@@ -350,19 +334,11 @@ class Lifecycle:
     def _intent(self, trigger: str, source: str, dest: str, epoch: int, collectives: tuple[Collective, ...]) -> Intent:
         # Walked once per structure version (states/planning.py), and again on every verified cycle
         # (epoch 0, before the first offload, is no cycle: its first walk is the start's).
-        tensors = self._tensor_sets.get(check=epoch > 0 and self._actions.verifies(epoch))
-        last = self._intents.get(trigger)
-        # A train step guarded every iteration asks for the same intent again: reuse it, hashed once.
-        if (last is not None and last.tensors is tensors and last.epoch == epoch and last.source == source
-                and last.dest == dest and last.collectives == collectives):  # fmt: skip
-            return last
-        intent = Intent(epoch=epoch, trigger=trigger, source=source, dest=dest,
-                        strategy=self._trainer.strategy.value, collectives=collectives, tensors=tensors)  # fmt: skip
-        self._intents[trigger] = intent
-        return intent
+        return self._intents.get(trigger, source, dest, epoch, collectives,
+                                 check=epoch > 0 and self._actions.verifies(epoch))  # fmt: skip
 
     def _collectives(self, step: Step) -> tuple[Any, ...]:
-        if step.side is Side.ENGINE or step.kind is StepKind.PUSH_WEIGHTS:
+        if engine_side(step):
             return self._engine.collectives(step) if self._engine is not None else ()
         return self._trainer.collectives(step)
 
@@ -382,24 +358,12 @@ class Lifecycle:
         """
         target = State(to)
         with self._machine.lock:
-            if self.state is not State.FAILED:
-                raise RecoveryError(target=target.value, reason=f"the rank is {self.state.value}, not FAILED")
-            if not target.in_cycle:
-                raise RecoveryError(target=target.value, reason="only the five cycle states can be recovered to")
-            trainer = self._actions.memory[Side.TRAINER]
-            lost = sorted(trainer.paused - target.trainer_paused_tags)
-            if lost:
-                raise RecoveryError(
-                    target=target.value,
-                    reason=f"trainer tags {lost} are released and their contents are gone; "
-                    "recover to PAUSED and rematerialize, or reload them first",
-                )
-            self._check_rebuilt(target)
-            trainer.pause(sorted(target.trainer_paused_tags - trainer.paused))
-            if self._engine is not None:
-                engine = self._actions.memory[Side.ENGINE]
-                engine.pause(sorted(target.engine_released_tags - engine.paused))
-                engine.resume(sorted(engine.paused - target.engine_released_tags))
+            memory = self._actions.memory
+            check_target(self.state, target, memory[Side.TRAINER])
+            failure = self._machine.failure
+            planned = self._plans[failure.trigger] if failure is not None else ()
+            check_rebuilt(failure, planned, memory[Side.TRAINER], target, self._actions.pending_verification)
+            match_memory(target, memory, engine=self._engine is not None)
             # Recorded digests stay: the next resume of this epoch verifies against them.
             failure = self._machine.leave_failed(target)
             try:  # peers must not blame the failure left behind; the store's host may be gone
@@ -413,41 +377,6 @@ class Lifecycle:
                 state=target.value,
                 trigger=None,
                 after=describe(failure.error) if failure else None,
-            )
-
-    def _check_rebuilt(self, target: State) -> None:
-        """Refuse a target that would train on params the failed transition left unbuilt or unverified.
-
-        A failure at or after a rebuilding step (a trainer resume, the cast,
-        a restore, the param sync, the verification) leaves the params'
-        bytes undefined or known bad. The target must then re-run the
-        failed transition on its way back to TRAINING, and hold released
-        every tag that was resumed without being rebuilt.
-        """
-        failure = self._machine.failure
-        if failure is None or failure.step is None:
-            return  # the guard failed: no step ran
-        planned = self._plans[failure.trigger]
-        names = [p.name for p in planned]
-        if failure.step not in names:
-            return
-        ran = planned[: names.index(failure.step) + 1]
-        if not any(_rebuilds(p.step) for p in ran):
-            return
-        resumed = {tag for p in ran if p.step.kind is StepKind.RESUME_MEMORY and p.step.side is Side.TRAINER
-                   for tag in p.step.tags}  # fmt: skip
-        unbuilt = sorted((resumed - self._actions.memory[Side.TRAINER].paused) - target.trainer_paused_tags)
-        reruns = failure.trigger in (DEFINITION.path(target, State.TRAINING) or ())
-        if unbuilt or not reruns:
-            pending = self._actions.pending_verification
-            why = (f"trainer tags {unbuilt} were resumed but not rebuilt" if unbuilt else
-                   f"the params' bytes are {'known bad' if ran[-1].step.kind is StepKind.VERIFY else 'not rebuilt'}")
-            raise RecoveryError(
-                target=target.value,
-                reason=f"{failure.trigger.value} failed in {failure.step} (epoch {failure.epoch}): {why}, and "
-                f"from {target.value} the way back to TRAINING would not run {failure.trigger.value} again"
-                + (f" (verification of epoch {pending} is pending)" if pending is not None else "")
-                + "; recover to PAUSED and rematerialize",
             )
 
     def close(self, error: BaseException | None = None) -> None:
@@ -465,17 +394,6 @@ class Lifecycle:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         self.close(error=exc)
-
-
-def _engine_side(step: Step) -> bool:
-    return step.side is Side.ENGINE or step.kind is StepKind.PUSH_WEIGHTS
-
-
-def _rebuilds(step: Step) -> bool:
-    """Steps after whose start the params' bytes are undefined until the transition ends."""
-    if step.kind is StepKind.RESUME_MEMORY:
-        return step.side is Side.TRAINER
-    return step.kind in (StepKind.CAST_MAIN_TO_PARAMS, StepKind.RESTORE, StepKind.PARAM_SYNC, StepKind.VERIFY)
 
 
 def _next_epoch(trigger: Trigger, epoch: int) -> int:

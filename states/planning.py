@@ -1,4 +1,8 @@
-"""The trainer's tensor set for planning, walked again only when the model's structure changes.
+"""Planning's parts: the guard's intents, engine outcomes shared, and the tensor set cached.
+
+The intent a guard compares is built from rank-uniform facts only, and
+reused while equal (``Intents``). The trainer's tensor set in it is walked
+again only when the model's structure changes (``TensorSetCache``).
 
 Every guarded transition compares a tensor set across ranks. Walking it
 (``trainer.tensor_set()``: every param's name, shape and dtype, sorted and
@@ -17,15 +21,19 @@ Two checks keep the cache from hiding a per-rank change, the seed's bug:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from miles_fsm.plan import Intent
+from miles_fsm.states.definition import Side, Step, StepKind
 from miles_fsm.states.errors import StructureVersionError
 
 if TYPE_CHECKING:
-    from miles_fsm.plan import TensorSet
+    from miles_fsm.guard.consensus import Guard
+    from miles_fsm.plan import Collective, TensorSet
     from miles_fsm.states.protocols import TrainerDriver
 
-__all__ = ["TensorSetCache", "trusted_version"]
+__all__ = ["Intents", "TensorSetCache", "engine_side", "shared", "trusted_version"]
 
 _NEVER = object()  # a version no driver returns: the first read always walks
 
@@ -83,3 +91,46 @@ class TensorSetCache:
         self.versioned, self._set = False, None  # a version caught lying is not trusted again
         raise StructureVersionError(driver=type(self._trainer).__qualname__, version=repr(version),
                                     added=sorted(new - old), removed=sorted(old - new))  # fmt: skip
+
+
+class Intents:
+    """The intent the guard compares, per trigger: the last one is reused while equal, hashed once."""
+
+    def __init__(self, trainer: TrainerDriver) -> None:
+        self._trainer = trainer
+        self.tensor_sets = TensorSetCache(trainer)
+        self._last: dict[str, Intent] = {}
+
+    def get(self, trigger: str, source: str, dest: str, epoch: int, collectives: tuple[Collective, ...], *,
+            check: bool) -> Intent:  # fmt: skip
+        """The intent; ``check`` walks the tensor set even for an unchanged structure version."""
+        tensors = self.tensor_sets.get(check=check)
+        last = self._last.get(trigger)
+        # A train step guarded every iteration asks for the same intent again: reuse it, hashed once.
+        if (last is not None and last.tensors is tensors and last.epoch == epoch and last.source == source
+                and last.dest == dest and last.collectives == collectives):  # fmt: skip
+            return last
+        intent = Intent(epoch=epoch, trigger=trigger, source=source, dest=dest,
+                        strategy=self._trainer.strategy.value, collectives=collectives, tensors=tensors)  # fmt: skip
+        self._last[trigger] = intent
+        return intent
+
+
+def engine_side(step: Step) -> bool:
+    """Whether ``step`` calls the engine (the weight push does, from the trainer's side)."""
+    return step.side is Side.ENGINE or step.kind is StepKind.PUSH_WEIGHTS
+
+
+def shared(action: Callable[[Step, int], Any], guard: Guard, trigger: str) -> Callable[[Step, int], Any]:
+    """``action``, then its outcome shared with every rank (see ``Lifecycle``'s ``engine_leader``)."""
+
+    def run(step: Step, epoch: int) -> Any:
+        try:
+            report = action(step, epoch)
+        except Exception as exc:  # handed to every rank, then re-raised here by share_outcome
+            guard.share_outcome(exc, epoch=epoch, trigger=trigger, step=str(step))
+            raise
+        guard.share_outcome(None, epoch=epoch, trigger=trigger, step=str(step))
+        return report
+
+    return run

@@ -5,45 +5,37 @@ the survivors can still name it. Children start from a forkserver that has
 torch imported already. Every exit path (return, timeout, Ctrl-C, SIGTERM or
 SIGHUP, an exception in the parent) kills every child that is still alive.
 
-Each rank holds the read end of a pipe of its own whose only writer is the
-parent: the rank's control pipe. When the parent stops a rank that is still
-running (an operator's Ctrl-C, SIGTERM or SIGHUP; the run's timeout; the
-linger after another rank failed) it first writes why down that pipe, so the
-rank can say so in its trace (``RankStoppedError``) before it exits, even
-while its main thread is blocked inside a collective; only a rank that does
-not exit in time is terminated, then killed. Ranks ignore SIGINT: a Ctrl-C
-reaches every process of the terminal's group at once, and the launcher, not
-each rank on its own, decides how they stop.
-
-A parent that dies without running any of that (SIGKILL, a crash) is seen
-the same way: the pipe's end-of-file is the parent's death. The rank then
-runs what it registered with ``RankContext.on_stopped`` (the demo closes its
-trace with ``LauncherLostError``), removes the launcher's multiprocessing
-temp folder that nobody else will, and exits. A rank's parent process is the
-forkserver, not the launcher, and the forkserver lives as long as any rank
-does, so a parent-death signal alone would never fire; it is set as well,
-for a forkserver that is killed.
+How ranks are stopped, by the launcher or on their own when it dies, is
+``miles_fsm.launch.stopping``.
 """
 
 from __future__ import annotations
 
-import enum
 import multiprocessing as mp
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from miles_fsm.errors import MilesFsmError, RankRaisedError, crosses, list_ranks, message_of, plain
+from miles_fsm.errors import MilesFsmError, RankRaisedError, crosses, message_of, plain
+from miles_fsm.launch.stopping import (
+    EXIT_LAUNCHER_LOST,
+    EXIT_STOPPED,
+    LaunchInterrupted,
+    LauncherLostError,
+    RankStoppedError,
+    StopReason,
+    set_parent_death_signal,
+    stop_on_termination,
+    stop_ranks,
+    watch_launcher,
+)
 
 __all__ = [
     "EXIT_LAUNCHER_LOST",
@@ -58,79 +50,6 @@ __all__ = [
     "flatten_error",
     "run_ranks",
 ]
-
-#: A rank's exit code when it stopped because its launcher died.
-EXIT_LAUNCHER_LOST = 75
-#: A rank's exit code when its launcher stopped it (as a shell reports SIGTERM).
-EXIT_STOPPED = 128 + signal.SIGTERM
-#: How long a rank's ``on_stopped`` callbacks may run before it exits regardless.
-_LOST_GRACE_S = 2.0
-#: How long a rank told to stop gets to write its last record and exit: its callbacks' grace plus
-#: a loaded host's margin. Only then is it terminated.
-_STOP_GRACE_S = _LOST_GRACE_S + 1.0
-#: How long a terminated rank gets before it is killed.
-_TERM_GRACE_S = 2.0
-
-
-class LauncherLostError(MilesFsmError, RuntimeError):
-    """The process that launched this rank is gone, so nobody will collect it: the rank stops."""
-
-    def __init__(self, *, rank: int, launcher_pid: int) -> None:
-        self.rank = rank
-        self.launcher_pid = launcher_pid
-        super().__init__(
-            f"rank {rank}: its launcher (pid {launcher_pid}) died, so the rank stopped without finishing; "
-            "its trace ends here. Rerun the job; look for why the launcher was killed (OOM killer, "
-            "a scheduler's SIGKILL) in the system log."
-        )
-
-
-class StopReason(str, enum.Enum):
-    """Why a launcher stopped a rank that was still running."""
-
-    #: The launcher got SIGINT (Ctrl-C), SIGTERM or SIGHUP: an operator or a scheduler stopped the run.
-    SIGNAL = "signal"
-    #: The run's own time limit passed.
-    TIMEOUT = "timeout"
-    #: Another rank failed, and this one did not finish within the linger that followed.
-    PEER_FAILED = "peer_failed"
-    #: The launching code itself raised (a callback of its own, say).
-    LAUNCHER_ERROR = "launcher_error"
-
-
-class RankStoppedError(MilesFsmError, RuntimeError):
-    """The launcher stopped this rank before it finished; the rank did not fail on its own.
-
-    ``reason`` says why (``StopReason``); ``signal`` names the signal the
-    launcher got, for ``StopReason.SIGNAL``; ``failed`` the ranks whose
-    failure stopped the run, for ``StopReason.PEER_FAILED``.
-    """
-
-    def __init__(self, *, rank: int, reason: StopReason | str, signal: str | None = None,
-                 failed: Sequence[int] = ()) -> None:  # fmt: skip
-        self.rank = rank
-        self.reason = StopReason(reason)
-        self.signal = signal
-        self.failed = tuple(failed)
-        why = {
-            StopReason.SIGNAL: f"its launcher got {signal} (an operator's Ctrl-C, or a scheduler's stop) and "
-            "stopped every rank; no rank failed by that. Rerun or resume the job",
-            StopReason.TIMEOUT: "the run's time limit passed while it was still running; if the job was making "
-            "progress, give it more time, else replay its traces to see where it stood",
-            StopReason.PEER_FAILED: f"rank(s) {list_ranks(self.failed)} failed and this rank did not finish "
-            "within the linger that followed; their errors say what went wrong",
-            StopReason.LAUNCHER_ERROR: "the launching process raised; its own traceback says why",
-        }[self.reason]
-        super().__init__(f"rank {rank} was stopped by its launcher: {why}")
-
-
-class LaunchInterrupted(KeyboardInterrupt):
-    """The launching process got SIGTERM or SIGHUP: every rank was stopped, like Ctrl-C."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"{signal.Signals(signum).name}: every rank was stopped")
-
 
 @dataclass(frozen=True, slots=True)
 class RankContext:
@@ -199,64 +118,6 @@ def flatten_error(exc: BaseException) -> RankError:
     return RankError(type(exc).__name__, message_of(exc), attrs, "".join(traceback.format_exception(exc)))
 
 
-def _set_parent_death_signal() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-
-
-def _watch_launcher(control: Any, ctx: RankContext, launcher_pid: int, mp_tmp: str | None) -> None:
-    """Block until the launcher says stop, or its end of ``control`` closes; then stop this rank."""
-    try:
-        said = control.recv()
-    except EOFError:
-        said = None  # the only writer is the launcher: end-of-file is its death
-    error: LauncherLostError | RankStoppedError
-    if said is None:
-        error = LauncherLostError(rank=ctx.rank, launcher_pid=launcher_pid)
-        try:
-            os.write(2, f"miles-fsm: {error}\n".encode())
-        except OSError:
-            pass  # stderr went with the launcher (a closed pipe): the trace still says it
-    else:
-        error = RankStoppedError(rank=ctx.rank, **said)
-    done = threading.Thread(target=_run_callbacks, args=(ctx, error), daemon=True)
-    done.start()
-    done.join(_LOST_GRACE_S)
-    if said is None:
-        if mp_tmp is not None:
-            _remove_mp_tmp(Path(mp_tmp))
-        os._exit(EXIT_LAUNCHER_LOST)
-    os._exit(EXIT_STOPPED)
-
-
-def _run_callbacks(ctx: RankContext, error: LauncherLostError | RankStoppedError) -> None:
-    lost = isinstance(error, LauncherLostError)
-    for only_if_lost, callback in ctx._on_stop:
-        if lost or not only_if_lost:
-            callback(error)
-
-
-def _remove_mp_tmp(path: Path) -> None:
-    # The launcher's atexit would have removed it; every rank tries, and the
-    # losers of that race find entries already gone.
-    import shutil
-
-    if not path.name.startswith("pymp-"):
-        return  # never remove a folder that is not multiprocessing's own
-
-    def gone_already(_fn: Any, _path: str, exc_info: Any) -> None:
-        if not issubclass(exc_info[0], FileNotFoundError):
-            raise exc_info[1]
-
-    shutil.rmtree(path, onerror=gone_already)
-
-
 def _child(
     fn: Callable[[RankContext], Any],
     rank: int,
@@ -270,7 +131,7 @@ def _child(
     mp_tmp: str | None,
     env: Mapping[str, str] | None = None,
 ) -> None:
-    _set_parent_death_signal()
+    set_parent_death_signal()
     # The launcher stops ranks and says why (the control pipe): a terminal's Ctrl-C reaches every
     # process of its group at once, and a rank that raised KeyboardInterrupt on its own would read
     # as a rank that failed.
@@ -280,7 +141,7 @@ def _child(
     ctx = RankContext(rank=rank, world=world, kwargs=kwargs)
     # First, before anything that could block on the launcher (the store lives there).
     threading.Thread(
-        target=_watch_launcher, args=(control, ctx, launcher_pid, mp_tmp), name="miles-fsm-launcher-watch",
+        target=watch_launcher, args=(control, ctx, launcher_pid, mp_tmp), name="miles-fsm-launcher-watch",
         daemon=True,
     ).start()
 
@@ -313,34 +174,6 @@ def _context() -> Any:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "miles_fsm.launch.local"])
     return _CTX
-
-
-@contextmanager
-def _stop_on_termination() -> Iterator[None]:
-    """SIGTERM / SIGHUP raise ``LaunchInterrupted`` here, so the caller's cleanup runs and kills the ranks.
-
-    Only where the process would otherwise die at once (the default action)
-    and only from the main thread, where Python runs signal handlers; an
-    application's own handler is left alone.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {}
-
-    def interrupted(signum: int, _frame: Any) -> None:
-        for s, h in previous.items():  # a second signal is not held back by this one's cleanup
-            signal.signal(s, h)
-        raise LaunchInterrupted(signum)
-
-    for s in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(s) is signal.SIG_DFL:
-            previous[s] = signal.signal(s, interrupted)
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def run_ranks(
@@ -395,7 +228,7 @@ def run_ranks(
     deadline = time.monotonic() + timeout_s
     why: dict[str, Any] = {"reason": StopReason.LAUNCHER_ERROR}
     try:
-        with _stop_on_termination():
+        with stop_on_termination():
             try:
                 for p in procs:
                     p.start()
@@ -410,7 +243,7 @@ def run_ranks(
                        "signal": signal.Signals(getattr(exc, "signum", signal.SIGINT)).name}  # fmt: skip
                 raise
             finally:
-                killed = _stop(procs, [write_end for _, write_end in controls], why)
+                killed = stop_ranks(procs, [write_end for _, write_end in controls], why)
     finally:
         results.close()
         results.cancel_join_thread()
@@ -454,35 +287,3 @@ def _drain(results: Any, procs: list[Any], outcomes: dict[int, RankOutcome], on_
         outcomes[rank] = RankOutcome(rank, procs[rank].exitcode, result, error, elapsed)
         if on_result is not None:
             on_result(outcomes[rank])
-
-
-def _stop(procs: list[Any], controls: list[Any], why: Mapping[str, Any]) -> set[int]:
-    """Stop every rank still alive and return them: told why first, then SIGTERM, then SIGKILL.
-
-    A rank told why writes its last trace record and exits on its own within
-    ``_STOP_GRACE_S``, even from inside a collective (its watchdog thread
-    reads the message); only one that does not is terminated.
-    """
-    alive = {r for r, p in enumerate(procs) if p.is_alive()}
-    told = set()
-    for r in sorted(alive):
-        try:
-            controls[r].send({k: v.value if isinstance(v, enum.Enum) else v for k, v in why.items()})
-        except (BrokenPipeError, ConnectionResetError):
-            continue  # the rank exited between the check and the send: nothing left to tell
-        told.add(r)
-    end = time.monotonic() + (_STOP_GRACE_S if told else 0.0)
-    for r in sorted(told):
-        procs[r].join(timeout=max(0.0, end - time.monotonic()))
-    for r in sorted(alive):
-        if procs[r].is_alive():
-            procs[r].terminate()
-    end = time.monotonic() + _TERM_GRACE_S
-    for p in procs:
-        if p.pid is None:
-            continue  # it never started: nothing to stop
-        p.join(timeout=max(0.0, end - time.monotonic()))
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join(timeout=5.0)
-    return alive

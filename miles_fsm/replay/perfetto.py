@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -222,16 +222,19 @@ def _export_rank(
     pid = t.rank
     host = t.meta.get("host")
     title = f"rank {t.rank}" + (f" ({host})" if host else "")
-    emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": title}})
-    emit({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": t.rank}})
-    emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": STATE_TID, "args": {"name": "state"}})
-    emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": TRANSITION_TID, "args": {"name": "transitions"}})
+    for meta in _rank_metadata(pid, title, t.rank):
+        emit(meta)
     states = _Track(pid, STATE_TID, emit)
     tx = _Track(pid, TRANSITION_TID, emit)
     wall0 = t.first_wall if t.first_wall is not None else base
     mono0 = t.first_mono_ns
     offset_us = (wall0 - base) * 1e6
     seen: dict[tuple[Any, Any], int] = defaultdict(int)
+
+    def entered_guard(epoch: Any, trigger: Any) -> None:  # the n-th guard of (epoch, trigger), lined up across ranks
+        seen[epoch, trigger] += 1
+        guards[(epoch, trigger, seen[epoch, trigger])].append((tx.last_ts, pid))
+
     last_ts = 0.0
     for rec in records(Path(t.path), run=t.run, ordered=not t.out_of_order and len(t.runs) <= 1
                        and not t.duplicates):  # fmt: skip
@@ -248,54 +251,71 @@ def _export_rank(
         else:
             ts = last_ts
         last_ts = max(last_ts, ts)
-        event = rec.get("event")
-        trigger = rec.get("trigger")
-        state = rec.get("state")
-        if event == TRANSITION_STARTED:
-            if not states.stack and state:
-                states.begin(state, ts, "state", {"epoch": epoch})
-            tx.close_all(ts)  # a transition never closed: lost records
-            tx.begin(label(trigger), ts, "transition",
-                     {"epoch": epoch, "source": state, "dest": rec.get("dest"), "steps": rec.get("steps")})
-        elif event == GUARD_ENTERED:
-            tx.begin("guard", ts, "guard",
-                     {"key": rec.get("key"), "collectives": rec.get("collectives"), "tensors": rec.get("tensors")})
-            k = (epoch, trigger)
-            seen[k] += 1
-            guards[(epoch, trigger, seen[k])].append((tx.last_ts, pid))
-        elif event == GUARD_PASSED:
-            tx.end("guard", ts, {"duration_s": rec.get("duration_s")})
-        elif event == GUARD_FAILED:
-            tx.instant(f"guard failed: {rec.get('error')}", ts, "failure",
-                       {"error": rec.get("error"), "message": rec.get("message"), **error_fields(rec)})
-            tx.end("guard", ts, {"failed": rec.get("error")})
-        elif event == ACTION_STARTED:
-            tx.begin(label(rec.get("action")), ts, "action", {"mem_before": rec.get("mem_before")})
-        elif event == ACTION_FINISHED:
-            tx.end(label(rec.get("action")), ts,
-                   {k: rec.get(k) for k in ("duration_s", "bytes_moved", "host_bytes", "mem_after")})
-        elif event == TRANSITION_FINISHED:
-            tx.end(label(trigger), ts, {"duration_s": rec.get("duration_s")})
-            states.close_all(ts)
-            states.begin(label(state), ts, "state", {"epoch": epoch})
-        elif event in (TRANSITION_FAILED, TRANSITION_CANCELLED):
-            tx.instant(event, ts, "failure",
-                       {k: rec.get(k) for k in ("error", "message", "action", "phase") if k in rec})
-            tx.end(label(trigger), ts, {event: rec.get("error")})
-            if event == TRANSITION_FAILED:
-                states.close_all(ts)
-                states.begin("FAILED", ts, "state", {"epoch": epoch, "error": rec.get("error")})
-        elif event == VERIFY_FAILED:
-            tx.instant("verify failed", ts, "failure", {"tensors": rec.get("tensors"), "where": rec.get("where")})
-        elif event == VERIFIED:
-            tx.instant("verified", ts, "verify", {"tensors": rec.get("tensors")})
-        elif event == RECOVERED:
-            states.close_all(ts)
-            states.begin(label(state), ts, "state", {"epoch": epoch, "recovered": True})
-        elif event != TRACE_OPENED:
-            tx.instant(label(event), ts, "other", {k: v for k, v in rec.items() if k not in _COMMON})
+        _export_record(rec, ts, epoch, states, tx, entered_guard)
     tx.close_all(last_ts)
     states.close_all(last_ts)
+
+
+def _rank_metadata(pid: int, title: str, rank: int) -> list[dict[str, Any]]:
+    """The metadata events that name a rank's process and its two tracks."""
+    return [
+        {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": title}},
+        {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": rank}},
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": STATE_TID, "args": {"name": "state"}},
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": TRANSITION_TID, "args": {"name": "transitions"}},
+    ]
+
+
+def _export_record(rec: Mapping[str, Any], ts: float, epoch: Any, states: _Track, tx: _Track,
+                   on_guard: Callable[[Any, Any], None]) -> None:  # fmt: skip
+    """One record as slices and instants on the rank's state and transition tracks.
+
+    ``on_guard(epoch, trigger)``: the rank entered a guard (its time is ``tx.last_ts``).
+    """
+    event = rec.get("event")
+    trigger = rec.get("trigger")
+    state = rec.get("state")
+    if event == TRANSITION_STARTED:
+        if not states.stack and state:
+            states.begin(state, ts, "state", {"epoch": epoch})
+        tx.close_all(ts)  # a transition never closed: lost records
+        tx.begin(label(trigger), ts, "transition",
+                 {"epoch": epoch, "source": state, "dest": rec.get("dest"), "steps": rec.get("steps")})
+    elif event == GUARD_ENTERED:
+        tx.begin("guard", ts, "guard",
+                 {"key": rec.get("key"), "collectives": rec.get("collectives"), "tensors": rec.get("tensors")})
+        on_guard(epoch, trigger)
+    elif event == GUARD_PASSED:
+        tx.end("guard", ts, {"duration_s": rec.get("duration_s")})
+    elif event == GUARD_FAILED:
+        tx.instant(f"guard failed: {rec.get('error')}", ts, "failure",
+                   {"error": rec.get("error"), "message": rec.get("message"), **error_fields(rec)})
+        tx.end("guard", ts, {"failed": rec.get("error")})
+    elif event == ACTION_STARTED:
+        tx.begin(label(rec.get("action")), ts, "action", {"mem_before": rec.get("mem_before")})
+    elif event == ACTION_FINISHED:
+        tx.end(label(rec.get("action")), ts,
+               {k: rec.get(k) for k in ("duration_s", "bytes_moved", "host_bytes", "mem_after")})
+    elif event == TRANSITION_FINISHED:
+        tx.end(label(trigger), ts, {"duration_s": rec.get("duration_s")})
+        states.close_all(ts)
+        states.begin(label(state), ts, "state", {"epoch": epoch})
+    elif event in (TRANSITION_FAILED, TRANSITION_CANCELLED):
+        tx.instant(event, ts, "failure",
+                   {k: rec.get(k) for k in ("error", "message", "action", "phase") if k in rec})
+        tx.end(label(trigger), ts, {event: rec.get("error")})
+        if event == TRANSITION_FAILED:
+            states.close_all(ts)
+            states.begin("FAILED", ts, "state", {"epoch": epoch, "error": rec.get("error")})
+    elif event == VERIFY_FAILED:
+        tx.instant("verify failed", ts, "failure", {"tensors": rec.get("tensors"), "where": rec.get("where")})
+    elif event == VERIFIED:
+        tx.instant("verified", ts, "verify", {"tensors": rec.get("tensors")})
+    elif event == RECOVERED:
+        states.close_all(ts)
+        states.begin(label(state), ts, "state", {"epoch": epoch, "recovered": True})
+    elif event != TRACE_OPENED:
+        tx.instant(label(event), ts, "other", {k: v for k, v in rec.items() if k not in _COMMON})
 
 
 _COMMON = frozenset(("v", "rank", "world", "seq", "mono_ns", "wall", "event"))

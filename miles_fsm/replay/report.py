@@ -126,6 +126,13 @@ def render(d: Diagnosis, out: TextIO, *, rich: bool | None = None) -> None:
 def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
     """(style, text) lines of the report; the first is the verdict."""
     L: list[tuple[str | None, str]] = [(_STYLE[d.verdict], f"{d.verdict.upper()}: {d.headline}")]
+    for section in _SECTIONS:
+        section(d, L)
+    return L
+
+
+def _summary(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """The flight recorder's line, the culprit and the notes, under the verdict."""
     add = L.append
     fr = d.flight_recorder
     if fr is not None:
@@ -143,6 +150,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
     for n in d.notes:
         add(("dim", f"  note: {n}"))
 
+
+def _ranks(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """Every rank's status, ranks alike grouped."""
+    add = L.append
     add(("bold", f"\nRanks (world {d.world}, {sum(1 for r in d.ranks if r['status'] != 'missing')} traces)"))
     groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for r in d.ranks:
@@ -150,6 +161,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
     for key, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
         add((None, f"  {plural_ranks(ranks)}: {key[0]}"))
 
+
+def _first_divergence(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """Where the ranks' plans first differ, and whom that suspects."""
+    add = L.append
     if d.first_divergence is not None:
         f = d.first_divergence
         add(("bold", "\nFirst divergence"))
@@ -171,6 +186,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         if f["not_yet_at_guard"]:
             add(("dim", f"    {plural_ranks(f['not_yet_at_guard'])} had not reached the guard, so their plan is unknown"))
 
+
+def _stopped(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """Ranks that crashed or are stuck, and the evidence."""
+    add = L.append
     if d.stuck:
         add(("bold", "\nStopped ranks"))
         for s in d.stuck[:_LIST_LIMIT]:
@@ -178,6 +197,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             add(("dim", f"    crashed or stuck: {s['how']}: {s['evidence']}"))
         _more(L, d.stuck)
 
+
+def _verification(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """Verification failures, ranks alike grouped."""
+    add = L.append
     if d.verification:
         add(("bold", "\nVerification failures"))
         grouped: dict[tuple[Any, ...], list[int]] = defaultdict(list)
@@ -187,6 +210,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             add((None, f"  {plural_ranks(ranks)}, {trigger} (epoch {epoch}, {where}): {len(tensors)} tensor(s): "
                        f"{list_names(list(tensors))}"))
 
+
+def _failed_actions(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """Failed actions other than verification."""
+    add = L.append
     if d.failures:
         shown = [f for f in d.failures if not f["verification"]]
         if shown:
@@ -196,6 +223,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
                            f"{f['error']}: {first_line(f['message'] or '')}"))
             _more(L, shown)
 
+
+def _outside_failures(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """Failures outside the lifecycle's transitions."""
+    add = L.append
     # A rank already FAILED by a transition carries that failure out of its step and its lifecycle: shown above.
     outside = [f for f in d.outside_failures if not f["after_failed"]]
     if outside:
@@ -207,6 +238,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
                        f"{f['message']}{named}"))
         _more(L, outside)
 
+
+def _guard_failures(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """Guard failures, and whom they name."""
+    add = L.append
     if d.guard_failures:
         add(("bold", "\nGuard failures"))
         for g in d.guard_failures[:_LIST_LIMIT]:
@@ -220,6 +255,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             add((None, f"  {g['transition']} (epoch {g['epoch']}): {g['error']} on {plural_ranks(g['ranks'])}{extra}"))
         _more(L, d.guard_failures)
 
+
+def _illegal(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """Transitions the definition does not allow."""
+    add = L.append
     add(("bold", "\nIllegal transitions (re-driven through the lifecycle definition)"))
     if not d.illegal:
         add((None, "  none: every recorded transition is one the machine allows"))
@@ -227,6 +266,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
         add((None, f"  rank {i['rank']} line {i['line']} (epoch {i['epoch']}, {i['trigger']}): {i['reason']}"))
     _more(L, d.illegal)
 
+
+def _stragglers(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """Ranks slower than the median by the threshold."""
+    add = L.append
     flagged = [s for s in d.stragglers if s["straggler"]]
     add(("bold", "\nStragglers (own work time per transition, guard wait excluded)"))
     if not d.stragglers:
@@ -245,6 +288,10 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             line += f"; worst once: rank {w['rank']} at epoch {w['epoch']}, {_ratio(w['ratio'])}"
         add(("yellow", line))
 
+
+def _trace_problems(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
+    """What could not be read, or is missing."""
+    add = L.append
     tp = d.trace_problems
     problems = tp["bad_lines"] or tp["truncated"] or tp["lost_records"] or tp["warnings"] or tp["ignored"] \
         or d.missing_ranks or tp["damaged"]  # fmt: skip
@@ -266,8 +313,11 @@ def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
             add((None, f"  {path}: ignored, it holds another run than {tp['run']}"))
         for w in tp["warnings"][:_LIST_LIMIT]:
             add((None, f"  {w}"))
-    return L
 
+
+# The report's sections, in the order they print.
+_SECTIONS = (_summary, _ranks, _first_divergence, _stopped, _verification, _failed_actions, _outside_failures,
+             _guard_failures, _illegal, _stragglers, _trace_problems)
 
 def _rank_key(r: dict[str, Any]) -> tuple[str]:
     status = r["status"]
