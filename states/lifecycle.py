@@ -101,17 +101,14 @@ class Lifecycle:
         self._intents = Intents(trainer)
         self._engine = engine
         strategy = trainer.strategy
-        #: A guard given by the host is the host's to close (it may serve several lifecycles); one built here is ours.
-        self._own_guard: Guard | None = None
         try:
-            if guard is None:
-                guard = self._own_guard = Guard.from_group(
-                    group, timeout_s=self._config.guard.longest_s, store=store, name=self._config.name
-                )
-            self._guard = guard
+            self._guard = guard or Guard.from_group(
+                group, timeout_s=self._config.guard.longest_s, store=store, name=self._config.name
+            )
         except PeerNeverJoinedError as exc:  # the wait, and who never came, go in this rank's trace
             self._trace_unbuilt(exc, group, strategy, sink, trace_meta or {})
             raise
+        self._own_guard = self._guard if guard is None else None  # a guard passed in is the host's to close
         tracer = self._open_trace(strategy, sink, trace_meta or {})
         self._actions = Actions(trainer=trainer, engine=engine, verify=self._config.verify, tracer=tracer,
                                 calls_engine=engine_leader is not False)  # fmt: skip
