@@ -35,6 +35,8 @@ SOURCE_TREE = ROOT / "build" / "api-src"
 MAPPED = ("states", "drivers", "apps")  # pyproject [tool.setuptools.package-dir]
 MARKER = re.compile(r"^<!-- api: (?P<package>[\w.]+) -->$", re.MULTILINE)
 
+_HOMES: dict[tuple[str, str], str] = {}  # (package, exported name) -> defining path, for the name's home only
+
 
 @event_priority(100)  # before mkdocstrings collects anything
 def on_config(config: Any) -> Any:
@@ -58,13 +60,10 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
     return MARKER.sub(lambda m: package_blocks(m.group("package")), markdown)
 
 
-_HOMES: dict[tuple[str, str], str] = {}  # (package, name) -> the defining path, where it is the name's home
-
-
 def homes(packages: list[str]) -> dict[tuple[str, str], str]:
     """Each exported name's defining path, keyed by the one package whose page is its home."""
     tree = griffe.load("miles_fsm", search_paths=[SOURCE_TREE], resolve_aliases=False, try_relative_path=False)
-    exporters: dict[str, list[str]] = {}
+    exporters: dict[str, list[tuple[str, str]]] = {}  # defining path -> (package, exported name)
     for package in packages:
         module = tree if package == "miles_fsm" else tree[package.removeprefix("miles_fsm.")]
         for name in importlib.import_module(package).__all__:
@@ -75,12 +74,13 @@ def homes(packages: list[str]) -> dict[tuple[str, str], str]:
                 path = member.final_target.path if member.is_alias else member.path
             except griffe.AliasResolutionError:
                 continue  # defined outside miles_fsm
-            exporters.setdefault(path, []).append(package)
+            exporters.setdefault(path, []).append((package, name))
     out = {}
-    for path, pkgs in exporters.items():
-        if len(pkgs) > 1:
-            home = max((p for p in pkgs if path.startswith(p + ".")), key=len, default=pkgs[0])
-            out[(home, path.rpartition(".")[2])] = path
+    for path, exports in exporters.items():
+        if len(exports) > 1:  # one page only: nothing to choose between
+            home = max((e for e in exports if path.startswith(e[0] + ".")), key=lambda e: len(e[0]),
+                       default=exports[0])
+            out[home] = path
     return out
 
 
