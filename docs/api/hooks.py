@@ -16,7 +16,9 @@ A name exported by several packages (``miles_fsm.Lifecycle`` is
 ``miles_fsm.states.Lifecycle``) is documented on each of their pages, and
 a cross-reference to its defining path (``miles_fsm.states.lifecycle.Lifecycle``)
 goes to its home: the page of the most specific package that exports it
-and holds its definition.
+and holds its definition. The home shows a class's members; the other
+pages its signature and docstring, and a link home (rendering each class
+twice in full was half the build's time).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ MAPPED = ("states", "drivers", "apps")  # pyproject [tool.setuptools.package-dir
 MARKER = re.compile(r"^<!-- api: (?P<package>[\w.]+) -->$", re.MULTILINE)
 
 _HOMES: dict[tuple[str, str], str] = {}  # (package, exported name) -> defining path, for the name's home only
+_ELSEWHERE: dict[tuple[str, str], str] = {}  # (package, exported name) -> its home's identifier, for the others
 
 
 @event_priority(100)  # before mkdocstrings collects anything
@@ -52,7 +55,13 @@ def on_config(config: Any) -> Any:
     documented = [m.group("package") for page in Path(config["docs_dir"]).glob("*.md")
                   for m in MARKER.finditer(page.read_text())]
     _HOMES.clear()
-    _HOMES.update(homes(documented))
+    _ELSEWHERE.clear()
+    for path, exports in exporters(documented).items():
+        if len(exports) > 1:  # one page only: nothing to choose between
+            home = max((e for e in exports if path.startswith(e[0] + ".")), key=lambda e: len(e[0]),
+                       default=exports[0])
+            _HOMES[home] = path
+            _ELSEWHERE.update({e: ".".join(home) for e in exports if e != home})
     return config
 
 
@@ -60,10 +69,10 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
     return MARKER.sub(lambda m: package_blocks(m.group("package")), markdown)
 
 
-def homes(packages: list[str]) -> dict[tuple[str, str], str]:
-    """Each exported name's defining path, keyed by the one package whose page is its home."""
+def exporters(packages: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """Each defining path, and the (package, name) pairs that export it."""
     tree = griffe.load("miles_fsm", search_paths=[SOURCE_TREE], resolve_aliases=False, try_relative_path=False)
-    exporters: dict[str, list[tuple[str, str]]] = {}  # defining path -> (package, exported name)
+    out: dict[str, list[tuple[str, str]]] = {}
     for package in packages:
         module = tree if package == "miles_fsm" else tree[package.removeprefix("miles_fsm.")]
         for name in importlib.import_module(package).__all__:
@@ -74,13 +83,7 @@ def homes(packages: list[str]) -> dict[tuple[str, str], str]:
                 path = member.final_target.path if member.is_alias else member.path
             except griffe.AliasResolutionError:
                 continue  # defined outside miles_fsm
-            exporters.setdefault(path, []).append((package, name))
-    out = {}
-    for path, exports in exporters.items():
-        if len(exports) > 1:  # one page only: nothing to choose between
-            home = max((e for e in exports if path.startswith(e[0] + ".")), key=lambda e: len(e[0]),
-                       default=exports[0])
-            out[home] = path
+            out.setdefault(path, []).append((package, name))
     return out
 
 
@@ -88,7 +91,13 @@ def package_blocks(package: str) -> str:
     """The package's docstring, then one heading and signature per name of its ``__all__``."""
     names = importlib.import_module(package).__all__
     blocks = [f"::: {package}\n    options:\n      members: false\n      show_root_heading: false\n"]
-    blocks += [f"::: {package}.{name}\n" for name in names]
+    for name in names:
+        home = _ELSEWHERE.get((package, name))
+        if home is None:
+            blocks.append(f"::: {package}.{name}\n")
+        else:
+            blocks.append(f"::: {package}.{name}\n    options:\n      members: false\n\n"
+                          f"Documented in full as [`{home}`][{home}].\n")
     return "\n".join(blocks)
 
 
