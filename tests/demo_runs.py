@@ -12,6 +12,7 @@ still alive 5 s after (the ``assert_no_leftovers`` wait).
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import sys
@@ -21,12 +22,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from conftest import rank_processes
 from miles_fsm.apps.demo import DemoResult
-
-#: The CLI's defaults, left off the command line so that a default run is run as a user types it.
-_DEFAULTS = {"--ranks": "2", "--mode": "rematerialize", "--guard-timeout": "10.0"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,9 +56,11 @@ class DemoSpec:
     inject: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
-        flags = {"--ranks": str(self.ranks), "--steps": str(self.steps), "--mode": self.mode,
-                 "--guard-timeout": str(float(self.guard_s))}  # fmt: skip
-        argv = [a for flag, value in flags.items() if _DEFAULTS.get(flag) != value for a in (flag, value)]
+        """The command line, leaving off a flag whose value is the CLI's default: a default run runs as typed."""
+        defaults = _cli_defaults()
+        flags = {"--ranks": (self.ranks, defaults.ranks), "--steps": (self.steps, defaults.steps),
+                 "--mode": (self.mode, defaults.mode), "--guard-timeout": (self.guard_s, defaults.guard_timeout)}  # fmt: skip
+        argv = [a for flag, (value, default) in flags.items() if value != default for a in (flag, str(value))]
         for spec in self.inject:
             argv += ["--inject", spec]
         return argv
@@ -70,6 +71,15 @@ class DemoSpec:
         )
 
 
+def _cli_defaults() -> argparse.Namespace:
+    """What ``miles-fsm demo`` runs with when no flag is given, from its own parser."""
+    from miles_fsm.apps.demo.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["demo"])
+
+
 class DemoRuns:
     """The session's demo runs, by spec; a run happens on the first ``get`` of its spec."""
 
@@ -77,8 +87,9 @@ class DemoRuns:
         self._root = root
         self._runs: dict[DemoSpec, DemoRun] = {}
 
-    def get(self, **spec: object) -> DemoRun:
-        key = DemoSpec(**spec)  # type: ignore[arg-type]
+    def get(self, **spec: Any) -> DemoRun:
+        """The run of ``DemoSpec(**spec)``, run now if this session has not run it yet."""
+        key = DemoSpec(**spec)
         if key not in self._runs:
             self._runs[key] = _run(key.argv(), self._root / key.name())
         return self._runs[key]
