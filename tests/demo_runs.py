@@ -139,8 +139,8 @@ def _captured() -> Iterator[tuple[io.StringIO, io.StringIO]]:
     with tempfile.TemporaryFile() as f_out, tempfile.TemporaryFile() as f_err:
         try:
             os.dup2(f_out.fileno(), 1), os.dup2(f_err.fileno(), 2)
-            sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
-            sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+            sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
             yield texts
         finally:
             sys.stdout.flush(), sys.stderr.flush()
