@@ -76,3 +76,11 @@ def assert_no_leftovers():
             break
         time.sleep(0.05)
     assert not left, f"processes left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def demo_runs(tmp_path_factory):
+    """The session's shared ``miles-fsm demo`` runs (``demo_runs.DemoRuns``): each distinct run happens once."""
+    from demo_runs import DemoRuns
+
+    return DemoRuns(tmp_path_factory.mktemp("demo-runs"))

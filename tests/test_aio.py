@@ -135,6 +135,7 @@ async def test_triggers_run_the_cycle_and_every_watcher_sees_each_change_in_orde
     assert alc.snapshot().watchers == 0  # both unsubscribed on leaving their with-blocks
 
 
+@pytest.mark.slow
 async def test_event_loop_keeps_ticking_during_a_one_second_transition():
     """A transition whose step does >= 1 s of CPU work runs in a worker thread: a 5 ms ticker keeps
     running; 99% of its gaps stay under 50 ms and the worst under 250 ms (a blocked loop stalls the whole

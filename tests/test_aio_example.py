@@ -30,6 +30,7 @@ def _run(*args: str, timeout: float) -> dict:
     return orjson.loads(done.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_the_example_runs_verified_rl_steps_with_concurrent_generation(backend):
     """One rank, 3 RL steps: each step's 16 concurrent requests are served in batches of 8 inside the

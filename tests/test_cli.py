@@ -61,6 +61,7 @@ def test_a_usage_error_is_one_line_naming_the_subcommand_and_its_help(argv, prog
     _one_line_usage_error(_cli(*argv), prog, says)
 
 
+@pytest.mark.slow
 def test_the_module_entries_print_the_same_one_line():
     """``python -m miles_fsm.apps.demo`` and ``python -m miles_fsm.apps.bench`` are the subcommands by
     another name: the same one line, under the subcommand's name."""

@@ -16,7 +16,7 @@ from proctable import live_processes
 from test_demo_faults import fault_wall
 
 from miles_fsm.apps.cli import main
-from miles_fsm.apps.demo import DemoConfig, Injection, run_demo
+from miles_fsm.apps.demo import Injection
 from miles_fsm.states import Strategy
 
 GUARD_S = 3.0
@@ -41,10 +41,11 @@ def _wait_session_empty(sid: int, within_s: float) -> set[int]:
 
 
 @pytest.mark.slow
-def test_demo_cli_exits_0_prints_the_summary_and_writes_a_trace_per_rank(tmp_path, capsys, assert_no_leftovers):
+def test_demo_cli_exits_0_prints_the_summary_and_writes_a_trace_per_rank(demo_runs):
     """The default demo through the CLI: exit 0, a summary per transition, every cycle verified, rank-<r>.jsonl each."""
-    rc = main(["demo", "--trace-dir", str(tmp_path), "--steps", "3"])
-    out = capsys.readouterr().out
+    run = demo_runs.get(steps=3)  # the run test_demo_verifies_every_cycle... checks the result of
+    rc, out, tmp_path = run.rc, run.out, run.trace_dir
+    assert not run.left, f"processes left behind: {sorted(run.left)}"
     assert rc == 0, out
     for phase in ("offload", "pause", "rematerialize", "sync", "resume", "train"):
         assert re.search(rf"^│ {phase} ", out, re.M), f"no summary row for {phase}:\n{out}"
@@ -59,9 +60,12 @@ def test_demo_cli_exits_0_prints_the_summary_and_writes_a_trace_per_rank(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(Strategy))
-def test_demo_verifies_every_cycle_and_reports_host_bytes_per_mode(mode, tmp_path, assert_no_leftovers):
+def test_demo_verifies_every_cycle_and_reports_host_bytes_per_mode(mode, demo_runs):
     """Both modes verify every cycle bit-exact; rematerialize holds no host bf16 params, backup holds all of them."""
-    result = run_demo(DemoConfig(ranks=2, steps=3, mode=mode, trace_dir=tmp_path))
+    run = demo_runs.get(ranks=2, steps=3, mode=mode.value)
+    assert not run.left, f"processes left behind: {sorted(run.left)}"
+    result = run.result
+    assert result is not None, run.out + run.err
     assert result.ok, result.diagnosis
     assert result.verified == {0: 3, 1: 3}
     held = result.held()

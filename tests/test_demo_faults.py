@@ -1,7 +1,9 @@
 """The demo's fault matrix: every injection kind, mode, rank and step it samples, end to end on 3 ranks.
 
 Each case runs ``miles-fsm demo`` in-process (the forkserver is shared, so a
-case costs its guard timeout, not a torch import) and checks the contract:
+case costs its guard timeout, not a torch import), once per session through
+the ``demo_runs`` fixture (test_replay_demo and test_flight_recorder check the
+same runs), and checks the contract:
 the exit code, the culprit named, no traceback on stderr (the ranks write
 to the same file descriptor), no process left, every rank out within the
 guard timeout plus 10 s *of the fault* (its timestamp in the traces, not
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from demo_runs import DemoRun
 
 from miles_fsm.apps.cli import main
 from miles_fsm.apps.demo import INJECTION_KINDS
@@ -28,9 +31,8 @@ MARGIN_S = 10.0
 MODES = ("rematerialize", "backup")
 _FAILURES = ("guard_failed", "transition_failed", "verify_failed", "demo_failed")
 
-#: Every kind in both modes at one rank and step; two of them stay in the quick suite.
+#: Every kind in both modes at one rank and step.
 BASE = [(kind, mode, 1, 2) for kind in INJECTION_KINDS for mode in MODES]
-QUICK = {("crash", "rematerialize", 1, 2), ("diverge", "backup", 1, 2)}
 #: A fixed sample of the rest of kind x mode x rank x step.
 SAMPLED = random.Random(14).sample(
     sorted(set(itertools.product(INJECTION_KINDS, MODES, range(RANKS), range(1, STEPS + 1))) - set(BASE)), 6
@@ -52,6 +54,11 @@ def fault_wall(trace_dir: Path, culprit: int, ranks: int = RANKS) -> float:
     return min(times)
 
 
+def shared_run(demo_runs, mode: str, *inject: str) -> DemoRun:
+    """This module's sizes of run, shared with every test of the session that asks for the same one."""
+    return demo_runs.get(ranks=RANKS, steps=STEPS, guard_s=GUARD_S, mode=mode, inject=inject)
+
+
 def run_case(argv: list[str], trace_dir: Path, capfd) -> tuple[int, str, str, float]:
     rc = main(["demo", "--ranks", str(RANKS), "--steps", str(STEPS), "--guard-timeout", str(GUARD_S),
                "--trace-dir", str(trace_dir), *argv])
@@ -67,16 +74,18 @@ def replay_code(trace_dir: Path, capfd) -> int:
 
 
 def _case(kind: str, mode: str, rank: int, step: int):
-    marks = () if (kind, mode, rank, step) in QUICK else (pytest.mark.slow,)
-    return pytest.param(kind, mode, rank, step, marks=marks, id=f"{kind}:{rank}:{step}-{mode}")
+    return pytest.param(kind, mode, rank, step, id=f"{kind}:{rank}:{step}-{mode}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "mode", "rank", "step"), [_case(*c) for c in BASE + SAMPLED])
-def test_injected_fault_meets_the_contract(kind, mode, rank, step, tmp_path, capfd, assert_no_leftovers):
+def test_injected_fault_meets_the_contract(kind, mode, rank, step, demo_runs, capfd):
     """An injection ends the run with exit 1, names the injected rank as the culprit, prints no
     traceback, leaves no process, has every rank out within guard + 10 s of the fault, and replay
     diagnoses a problem (exit 3)."""
-    rc, out, err, out_at = run_case(["--mode", mode, "--inject", f"{kind}:{rank}:{step}"], tmp_path, capfd)
+    run = shared_run(demo_runs, mode, f"{kind}:{rank}:{step}")
+    rc, out, err, out_at, tmp_path = run.rc, run.out, run.err, run.out_at, run.trace_dir
+    assert not run.left, f"processes left behind: {sorted(run.left)}"
     assert rc == 1, out + err
     assert f"culprit: rank {rank}\n" in out, out
     assert "Traceback" not in err, err
@@ -89,9 +98,11 @@ def test_injected_fault_meets_the_contract(kind, mode, rank, step, tmp_path, cap
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_uninjected_run_exits_0_and_replays_ok(mode, tmp_path, capfd, assert_no_leftovers):
+def test_uninjected_run_exits_0_and_replays_ok(mode, demo_runs, capfd):
     """Without an injection the same 3-rank run exits 0 with every step verified, and replays as ok."""
-    rc, out, err, _ = run_case(["--mode", mode], tmp_path, capfd)
+    run = shared_run(demo_runs, mode)
+    rc, out, err, tmp_path = run.rc, run.out, run.err, run.trace_dir
+    assert not run.left, f"processes left behind: {sorted(run.left)}"
     assert rc == 0, out + err
     assert f"OK: {RANKS * STEPS} cycles verified bit-exact" in out
     assert "Traceback" not in err, err

@@ -63,6 +63,7 @@ def test_released_storage_is_refused_and_hashing_leaves_storage_resizable():
         tensor_digest(t)
 
 
+@pytest.mark.slow
 def test_bench_cli_writes_one_json_with_limits_transitions_and_ratios(tmp_path, assert_no_leftovers):
     """`miles-fsm bench` on CPU (tiny model, no demo): one JSON with the limits, per-transition
     time and bytes, offload/wake ratios and the verification comparison."""

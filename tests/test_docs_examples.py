@@ -305,6 +305,7 @@ def _run_pytest_module(block: Block, tmp_path: Path) -> None:
     assert re.search(r"\b[1-9]\d* passed\b", done.stdout) and "failed" not in done.stdout, done.stdout
 
 
+@pytest.mark.slow
 def test_the_async_example_leaves_traces_that_replay_ok(tmp_path, capsys):
     """examples/async_rollout_loop.py, run as its docstring says with --trace-dir: its closed trace replays OK
     (examples/ray_actor.py writes no trace; tests/test_ray.py runs it)."""

@@ -173,6 +173,7 @@ class _Recording:
 _SKIP = megatron_available()
 
 
+@pytest.mark.slow
 @pytest.mark.megatron
 @pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 def test_megatron_driver_keeps_the_optimizer_state_itself(assert_no_leftovers):
@@ -195,6 +196,7 @@ def test_megatron_driver_keeps_the_optimizer_state_itself(assert_no_leftovers):
     assert offloads == [("grad_buffer", False), ("default", True)] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.megatron
 @pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 def test_an_early_optimizer_save_is_dropped_by_a_resume(assert_no_leftovers):
@@ -207,6 +209,7 @@ def test_an_early_optimizer_save_is_dropped_by_a_resume(assert_no_leftovers):
     assert o.result["pauses"] == [("grad_buffer", False), ("grad_buffer", False), ("default", True)]
 
 
+@pytest.mark.slow
 @pytest.mark.megatron
 @pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 def test_coalesced_optimizer_state_is_one_storage_and_still_trains(assert_no_leftovers):

@@ -1,21 +1,19 @@
 """``miles-fsm replay`` on traces of the real demo, one run per injection kind.
 
 Each demo run (3 gloo ranks, 2 RL steps, a fault at rank 1 in step 2) is
-shared by the tests of this module, so every kind costs one run.
+shared by the tests of this module and test_demo_faults (the session's
+``demo_runs``), so every kind costs one run.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from conftest import rank_processes
 from miles_fsm.apps.cli import main
-from miles_fsm.apps.demo import DemoConfig, Injection, run_demo
 
 pytestmark = pytest.mark.slow
 
@@ -31,23 +29,16 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def demo_traces(tmp_path_factory) -> dict[str, Path]:
-    """Run the demo once healthy and once per injection kind; their trace directories by kind."""
-    before = rank_processes()
-    root = tmp_path_factory.mktemp("demo")
+def demo_traces(demo_runs) -> dict[str, Path]:
+    """The demo run once healthy and once per injection kind (shared with test_demo_faults, which checks
+    the same runs' contract); their trace directories by kind."""
     dirs = {}
     for kind in ("ok", *EXPECTED):
-        injections = () if kind == "ok" else (Injection(kind=kind, rank=CULPRIT, step=AT_STEP),)
-        config = DemoConfig(
-            ranks=RANKS, steps=STEPS, trace_dir=root / kind, injections=injections, guard_timeout_s=2.0
-        )
-        result = run_demo(config)
-        assert result.ok == (kind == "ok"), result.diagnosis
-        dirs[kind] = config.trace_dir
-    deadline = time.monotonic() + 5.0
-    while rank_processes() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not rank_processes() - before, "the demo left processes behind"
+        inject = () if kind == "ok" else (f"{kind}:{CULPRIT}:{AT_STEP}",)
+        run = demo_runs.get(ranks=RANKS, steps=STEPS, guard_s=2.0, inject=inject)
+        assert run.result is not None and run.result.ok == (kind == "ok"), run.out + run.err
+        assert not run.left, "the demo left processes behind"
+        dirs[kind] = run.trace_dir
     return dirs
 
 

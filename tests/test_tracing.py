@@ -61,6 +61,7 @@ def test_host_logging_configuration_is_untouched(tmp_path):
     assert logging.getLogger().handlers == handlers
 
 
+@pytest.mark.slow
 def test_trace_of_a_sigkilled_rank_parses_up_to_the_kill(tmp_path):
     """A rank killed with SIGKILL inside a transition leaves a trace whose every complete line parses,
     ending inside the transition it was running."""
