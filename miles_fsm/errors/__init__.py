@@ -32,7 +32,8 @@ imports none of them: the engine never imports a layer above it):
   ``EngineSessionError``, ``EngineUpdateError``, ``HostCopyMissingError``,
   ``BufferRoutingError``, ``ResumeMemoryError``, ``MissingDependencyError``,
   ``WeightChecksumError``;
-- the launchers', in ``miles_fsm.launch.local``: ``LauncherLostError``,
+- the launchers', in ``miles_fsm.launch.stopping`` (also importable from
+  ``miles_fsm.launch`` and ``miles_fsm.launch.local``): ``LauncherLostError``,
   ``RankStoppedError`` (and ``LaunchInterrupted``, a ``KeyboardInterrupt`` on
   purpose: no ``except Exception`` may swallow a Ctrl-C);
 - replay's: ``TraceDirError`` in ``miles_fsm.replay.model``, ``MixedRunsError``
