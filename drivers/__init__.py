@@ -29,7 +29,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from miles_fsm.drivers.cpu_memory import CpuMemorySaver, MemorySaver
-    from miles_fsm.drivers.reference.trainer import ReferenceTrainer
     from miles_fsm.drivers.reference.engine import ReferenceEngine
+    from miles_fsm.drivers.reference.trainer import ReferenceTrainer
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -38,7 +38,7 @@ class IneligibleModelError(MilesFsmError, ValueError):
         self.suggestions = tuple(suggestions)
         hints = ""
         if self.suggestions:
-            shown = [f"{n}: {s}" for n, s in zip(self.params[:8], self.suggestions[:8])]
+            shown = [f"{n}: {s}" for n, s in zip(self.params[:8], self.suggestions[:8], strict=False)]
             more = len(self.params) - len(shown)
             hints = "\n  - " + "\n  - ".join(shown) + (f"\n  ... and {more} more" if more > 0 else "")
         super().__init__(

@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from miles_fsm.drivers.errors import ResumeMemoryError
-from miles_fsm.drivers.errors import MissingDependencyError
+from miles_fsm.drivers.errors import MissingDependencyError, ResumeMemoryError
 from miles_fsm.errors import ConfigError
 from miles_fsm.states.errors import MemoryTagError
 

@@ -93,25 +93,25 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from miles_fsm.aio.machine import AsyncSnapshot, StateChange  # noqa: F401
-    from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig  # noqa: F401
-    from miles_fsm.drivers.reference.engine import ReferenceEngine  # noqa: F401
-    from miles_fsm.drivers.reference.trainer import ReferenceTrainer  # noqa: F401
-    from miles_fsm.errors import (  # noqa: F401
+    from miles_fsm.aio.machine import AsyncSnapshot, StateChange
+    from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
+    from miles_fsm.drivers.reference.engine import ReferenceEngine
+    from miles_fsm.drivers.reference.trainer import ReferenceTrainer
+    from miles_fsm.errors import (
         ConfigError,
         GuardError,
         MilesFsmError,
         RankFailedError,
         TransitionNotAllowed,
     )
-    from miles_fsm.guard.consensus import Guard  # noqa: F401
-    from miles_fsm.launch.local import LauncherLostError, RankOutcome, RankStoppedError, run_ranks  # noqa: F401
-    from miles_fsm.launch.ray_actors import run_ranks_ray  # noqa: F401
-    from miles_fsm.launch.torchrun import run_under_torchrun  # noqa: F401
-    from miles_fsm.states import State, Strategy, Trigger  # noqa: F401
-    from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow  # noqa: F401
-    from miles_fsm.states.errors import DriverProtocolError, RecoveryError, VerificationError  # noqa: F401
-    from miles_fsm.states.lifecycle import Lifecycle, Snapshot  # noqa: F401
-    from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver, VersionedTrainer  # noqa: F401
+    from miles_fsm.guard.consensus import Guard
+    from miles_fsm.launch.local import LauncherLostError, RankOutcome, RankStoppedError, run_ranks
+    from miles_fsm.launch.ray_actors import run_ranks_ray
+    from miles_fsm.launch.torchrun import run_under_torchrun
+    from miles_fsm.states import State, Strategy, Trigger
+    from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow
+    from miles_fsm.states.errors import DriverProtocolError, RecoveryError, VerificationError
+    from miles_fsm.states.lifecycle import Lifecycle, Snapshot
+    from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver, VersionedTrainer
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

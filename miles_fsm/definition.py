@@ -11,10 +11,10 @@ add checks of its own (the lifecycle checks its memory tags).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Generic, Mapping, TypeVar
+from typing import Any, Generic, TypeVar
 
 from miles_fsm.errors import DefinitionError
 
@@ -48,7 +48,7 @@ class Definition(Generic[S, T]):
     initial: S
     failed: S
     transitions: tuple[Transition[S, T], ...]
-    checks: tuple[Callable[["Definition[S, T]"], Iterable[str]], ...] = ()
+    checks: tuple[Callable[[Definition[S, T]], Iterable[str]], ...] = ()
     _table: Mapping[tuple[S, T], Transition[S, T]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

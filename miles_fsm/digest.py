@@ -75,7 +75,7 @@ def _n_chunks(nbytes: int) -> int:
 def _check_resident(t: torch.Tensor) -> None:
     """A CPU tensor whose storage was released (a paused region) must not be read through a pointer."""
     if t.device.type == "cpu" and t.numel():
-        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
         needed = (t.storage_offset() + extent) * t.element_size()
         if t.untyped_storage().nbytes() < needed:
             raise MemoryReleasedError(owner="verification", op="hash a tensor", tags=(), reason="its storage is released")
@@ -145,7 +145,7 @@ def digest_tensors(tensors: Mapping[str, torch.Tensor], *, threads: int | None =
     if n_threads == 1 or (total <= _INLINE_BYTES and not by_device):
         for name, view in host:
             leaves[name] = [hashlib.sha256(view[a : a + CHUNK_BYTES]).digest() for a in range(0, len(view), CHUNK_BYTES)]
-        for device, dev_names in by_device.items():
+        for dev_names in by_device.values():
             for name in dev_names:
                 leaves[name] = [hashlib.sha256(c).digest() for c in _chunks(_host_bytes(tensors[name].to("cpu")))]
         return {name: _root(sizes[name], leaves[name]) for name in names}  # type: ignore[arg-type]
@@ -180,7 +180,7 @@ class StagingRing:
     take turns.
     """
 
-    _rings: dict[torch.device, "StagingRing"] = {}
+    _rings: dict[torch.device, StagingRing] = {}
     _rings_lock = threading.Lock()
 
     def __init__(self, device: torch.device, *, slots: int = 8, slot_bytes: int = 64 << 20) -> None:
@@ -195,7 +195,7 @@ class StagingRing:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_device(cls, device: torch.device) -> "StagingRing":
+    def for_device(cls, device: torch.device) -> StagingRing:
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         with cls._rings_lock:
             ring = cls._rings.get(device)

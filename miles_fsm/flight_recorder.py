@@ -114,7 +114,7 @@ def _raw() -> dict[str, Any]:
 
     # The pickled dump without stack traces: several times cheaper than the JSON one, and it is
     # this process's own (trusted) data. The audit reads it once per audited transition.
-    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))  # noqa: S301
+    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))
 
 
 def parse(entry: dict[str, Any]) -> FrEntry:

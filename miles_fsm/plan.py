@@ -9,8 +9,9 @@ from exactly that.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +48,7 @@ class TensorSet:
         object.__setattr__(self, "digest", _digest(";".join(map(str, specs))))
 
     @classmethod
-    def of(cls, tensors: Iterable[tuple[str, "torch.Tensor"]]) -> "TensorSet":
+    def of(cls, tensors: Iterable[tuple[str, torch.Tensor]]) -> TensorSet:
         """The spec set of named tensors."""
         return cls(
             tuple(

@@ -9,7 +9,6 @@ that never touch torch.
 from typing import TYPE_CHECKING
 
 from miles_fsm.lazy import lazy_exports
-
 from miles_fsm.states.definition import (
     CYCLE,
     DEFINITION,

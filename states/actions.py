@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 from miles_fsm.config import VerifyConfig
 from miles_fsm.digest import digest_tensors
 from miles_fsm.plan import TensorSet
-from miles_fsm.trace.schema import VERIFIED, VERIFY_FAILED
 from miles_fsm.states.definition import Side, State, Step, StepKind, Trigger
 from miles_fsm.states.errors import TensorSetChangedError, VerificationError, WeightVersionError
 from miles_fsm.states.memory import MemoryLedger
 from miles_fsm.states.protocols import StepReport
+from miles_fsm.trace.schema import VERIFIED, VERIFY_FAILED
 
 if TYPE_CHECKING:
     from miles_fsm.states.protocols import EngineDriver, TrainerDriver

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import anyio
 import anyio.lowlevel
 
-from miles_fsm.aio.machine import AsyncMachine
 from miles_fsm.aio.gate import Gate, deliver
+from miles_fsm.aio.machine import AsyncMachine
 from miles_fsm.errors import TransitionNotAllowed
 from miles_fsm.machine import TransitionResult
 from miles_fsm.plan import Collective

@@ -9,9 +9,9 @@ re-drives it offline. Nothing here touches a tensor or a process group.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
 from miles_fsm.definition import Definition, Transition
 

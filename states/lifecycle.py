@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -29,14 +29,14 @@ from miles_fsm.config import LifecycleConfig
 from miles_fsm.errors import PeerNeverJoinedError, describe
 from miles_fsm.guard.consensus import Guard
 from miles_fsm.machine import Failure, InFlight, Machine, Plan, PlannedStep, TransitionResult
-from miles_fsm.trace.schema import GUARD_FAILED, RECOVERED, STORE_UNREACHABLE, TRACE_OPENED
+from miles_fsm.replay.index import write_index
 from miles_fsm.states.actions import Actions
 from miles_fsm.states.audit import dump_beside_trace, make_audit
-from miles_fsm.states.planning import Intents, engine_side, shared
-from miles_fsm.states.recovery import check_rebuilt, check_target, match_memory
-from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
-from miles_fsm.replay.index import write_index
+from miles_fsm.states.planning import Intents, engine_side, shared
+from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
+from miles_fsm.states.recovery import check_rebuilt, check_target, match_memory
+from miles_fsm.trace.schema import GUARD_FAILED, RECOVERED, STORE_UNREACHABLE, TRACE_OPENED
 from miles_fsm.trace.writer import NullTracer, Tracer, TraceSink, new_run_id
 
 if TYPE_CHECKING:

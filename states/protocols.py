@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from miles_fsm.plan import Collective, TensorSet
-from miles_fsm.states.errors import DriverProtocolError
 from miles_fsm.states import Step, Strategy
+from miles_fsm.states.errors import DriverProtocolError
 
 if TYPE_CHECKING:
     import torch

@@ -30,7 +30,7 @@ MAX_GUARD_TIMEOUT_S = 86_400.0
 _STOPS = ("hang", "stall")
 
 
-def _position(inj: "Injection") -> tuple[int, int]:
+def _position(inj: Injection) -> tuple[int, int]:
     """When a fault strikes within the run: its step, then hang (before the guard), the others, stall (last)."""
     return (inj.step, {"hang": 0, "stall": 2}.get(inj.kind, 1))
 
@@ -44,7 +44,7 @@ class Injection:
     step: int
 
     @classmethod
-    def parse(cls, text: str) -> "Injection":
+    def parse(cls, text: str) -> Injection:
         parts = text.split(":")
         if len(parts) != 3 or parts[0] not in INJECTION_KINDS:
             raise ValueError(f"expected KIND:RANK:STEP with KIND in {'|'.join(INJECTION_KINDS)}, got {text!r}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import threading
 
-
 __all__ = ["DIVERGE_PARAM", "demo_trainer_cls", "hang_forever"]
 
 #: What a ``diverge`` rank wrongly believes is frozen (outside its buffers).

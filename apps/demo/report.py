@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_fsm.apps.demo.config import DemoConfig
+from miles_fsm.launch.local import RankOutcome
 from miles_fsm.replay.diagnose import Diagnosis
 from miles_fsm.replay.evidence import stopped_from_outside
-from miles_fsm.launch.local import RankOutcome
 from miles_fsm.replay.model import RankTrace
 
 __all__ = ["DemoResult", "blame", "print_result"]

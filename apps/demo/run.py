@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from miles_fsm.apps.demo.config import DemoConfig
-from miles_fsm.apps.demo.progress import Progress
 from miles_fsm.apps.demo.megatron_rank import megatron_rank_main
+from miles_fsm.apps.demo.progress import Progress
 from miles_fsm.apps.demo.rank import rank_main
 from miles_fsm.apps.demo.report import DemoResult, blame
 from miles_fsm.apps.demo.tracedir import prepare_trace_dir, trace_run
-from miles_fsm.replay.diagnose import diagnose
 from miles_fsm.flight_recorder import DEFAULT_BUFFER, FR_ENV
 from miles_fsm.launch.local import run_ranks
+from miles_fsm.replay.diagnose import diagnose
 from miles_fsm.replay.model import RankTrace
 from miles_fsm.replay.read import read_ranks
 from miles_fsm.trace.writer import new_run_id, trace_path

@@ -176,7 +176,7 @@ class MegatronDriverConfig:
         )
 
     @classmethod
-    def from_megatron(cls, chunks: Sequence[Any], optimizer: Any, **settings: Any) -> "MegatronDriverConfig":
+    def from_megatron(cls, chunks: Sequence[Any], optimizer: Any, **settings: Any) -> MegatronDriverConfig:
         """A config whose megatron-side settings are read from the live chunks and optimizer.
 
         ``settings`` gives the RL-run fields (``colocate``, ``keep_old_actor``,

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_fsm.drivers.megatron.driver import MegatronTrainer
 from miles_fsm.drivers.megatron.buffers import ddp_buffers_in_tags
 from miles_fsm.drivers.megatron.config import MegatronDriverConfig
+from miles_fsm.drivers.megatron.driver import MegatronTrainer
 from miles_fsm.drivers.megatron.optimizer import OPTIMIZER_TAG, coalesce_optimizer_state
 from miles_fsm.errors import ConfigError
 from miles_fsm.plan import Collective
@@ -218,7 +218,7 @@ def train_step(model: TinyGpt, *, step: int, tokens: torch.Tensor | None = None)
             chunk.zero_grad_buffer()
         model.optimizer.zero_grad()
         losses = [chunk(tokens, position_ids, None, labels=labels) for chunk in model.chunks]
-        loss = sum(l.float().mean() for l in losses)
+        loss = sum(x.float().mean() for x in losses)
         loss.backward()
         for chunk in model.chunks:
             chunk.finish_grad_sync()

@@ -104,7 +104,7 @@ def coalesce_optimizer_state(optimizer: Any, allocate: Callable[[int], torch.Ten
         raise ConfigError([f"allocate({end}) must return a uint8 tensor of that many bytes on {device}"],
                           "coalesce_optimizer_state")
     with torch.no_grad():
-        for t, start in zip(tensors, offsets):
+        for t, start in zip(tensors, offsets, strict=True):
             n = t.numel() * t.element_size()
             view = flat[start : start + n].view(t.dtype).view(t.shape)
             view.copy_(t)

@@ -24,12 +24,12 @@ import torch
 
 from miles_fsm.digest import digest_tensors
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver, MemorySaver
-from miles_fsm.states.protocols import StepReport
-from miles_fsm.drivers.reference.model import KVCache, ModelConfig, forward, weight_specs
 from miles_fsm.drivers.errors import EngineSessionError
+from miles_fsm.drivers.reference.model import KVCache, ModelConfig, forward, weight_specs
 from miles_fsm.errors import MemoryReleasedError
 from miles_fsm.plan import Collective
 from miles_fsm.states import Step
+from miles_fsm.states.protocols import StepReport
 
 __all__ = ["EngineConfig", "ReferenceEngine"]
 

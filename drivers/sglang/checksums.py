@@ -64,7 +64,7 @@ def compare_checksums(
     strict = against.startswith("engine ")
     mismatched: list[str] = []
     missing: list[str] = []
-    for rank, (want, have) in enumerate(zip(expected, actual)):
+    for rank, (want, have) in enumerate(zip(expected, actual, strict=False)):
         prefix = f"rank {rank}: " if len(expected) > 1 else ""
         for name in sorted(want):
             if name not in have:

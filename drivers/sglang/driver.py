@@ -239,7 +239,7 @@ class SGLangEngineDriver:
             self._fan_out(state, "continue_generation", self._memory.continue_if_resident)
         # Any failure, the engine's or the trainer side's broadcast, ends the
         # sessions it opened before it propagates, and is reported with them.
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise self._abort_update(state, exc) from exc
         for t in self._transports:
             if t.sets_version:

@@ -71,7 +71,7 @@ class EngineTransport:
         # The Engine raises whatever its scheduler raised (KeyError for an
         # unreleased tag, RuntimeError, ...); each becomes the one error the
         # driver documents, with the original kept as the cause.
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise EngineRequestError(
                 engine=self.name, op=op, status=None, message=f"{type(exc).__name__}: {exc}"
             ) from exc

@@ -257,7 +257,7 @@ class AsyncMachine:
                     # The CUDA device is per thread; collectives must run on the rank's own.
                     sys.modules["torch"].cuda.set_device(device)
                 gate.value = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task, which raises it
+            except BaseException as exc:
                 gate.error = exc
             finally:
                 gate.finish()

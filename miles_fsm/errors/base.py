@@ -97,7 +97,7 @@ def plain(value: Any) -> Any:
 def message_of(exc: BaseException) -> str:
     try:
         return str(exc)
-    except Exception as broken:  # noqa: BLE001 - a __str__ that raises must not hide the error it describes
+    except Exception as broken:
         return f"<str() of it raised {type(broken).__name__}: {broken}>"
 
 

@@ -92,12 +92,12 @@ class Guard:
         self._entries = 0
 
     @classmethod
-    def solo(cls) -> "Guard":
+    def solo(cls) -> Guard:
         """World size 1: nothing to agree with, nothing to pay."""
         return cls(rank=0, world=1, group=None, store=None, timeout_s=0.0)
 
     @classmethod
-    def from_default_group(cls, *, timeout_s: float, store: Any | None = None, name: str | None = None) -> "Guard":
+    def from_default_group(cls, *, timeout_s: float, store: Any | None = None, name: str | None = None) -> Guard:
         """Build a guard over the default process group. Collective: every rank calls it.
 
         The guard gets its own gloo group, so it never queues behind (or
@@ -108,7 +108,7 @@ class Guard:
     @classmethod
     def from_group(
         cls, group: Any = None, *, timeout_s: float, store: Any | None = None, name: str | None = None
-    ) -> "Guard":
+    ) -> Guard:
         """Build a guard over ``group`` (None: the default group). Collective over the group's ranks.
 
         A gloo group is used as it is: pass the host's own gloo group (miles'
@@ -380,7 +380,7 @@ class Guard:
         rows = [tuple(h.tolist()) for h in hashes]
         representative = {row: rows.index(row) for row in dict.fromkeys(rows)}
         by_rep: dict[int, Intent] = {}
-        for row, rep in representative.items():
+        for rep in representative.values():
             box = [intent if rep == self.rank else None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, rep), group=self._group)
             by_rep[rep] = box[0]

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["explain_divergence"]
 
 
-def explain_divergence(intents: "Sequence[Intent]", *, previous: Intent | None = None) -> RankDivergenceError:
+def explain_divergence(intents: Sequence[Intent], *, previous: Intent | None = None) -> RankDivergenceError:
     """Group ranks by intent, field by field, and name the suspects (rank r is intents[r]).
 
     ``previous`` is the intent every rank agreed on the last time this
@@ -63,7 +63,7 @@ def explain_divergence(intents: "Sequence[Intent]", *, previous: Intent | None =
     )
 
 
-def _tensor_set_detail(intents: "Sequence[Intent]", groups: dict[str, list[int]]) -> str:
+def _tensor_set_detail(intents: Sequence[Intent], groups: dict[str, list[int]]) -> str:
     sets = {label: intents[ranks[0]].tensors for label, ranks in groups.items()}
     union = frozenset().union(*(s.names for s in sets.values()))
     parts = []

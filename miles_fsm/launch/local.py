@@ -27,8 +27,8 @@ from miles_fsm.errors import MilesFsmError, RankRaisedError, crosses, message_of
 from miles_fsm.launch.stopping import (
     EXIT_LAUNCHER_LOST,
     EXIT_STOPPED,
-    LaunchInterrupted,
     LauncherLostError,
+    LaunchInterrupted,
     RankStoppedError,
     StopReason,
     set_parent_death_signal,
@@ -206,8 +206,9 @@ def run_ranks(
     ``RankStoppedError``). If this process dies without cleaning up, each
     rank notices and exits on its own (``LauncherLostError``).
     """
-    import torch.distributed as dist
     from multiprocessing import util
+
+    import torch.distributed as dist
 
     ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)

@@ -17,8 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_fsm.ranks import plural_ranks, rank_ranges
 from miles_fsm.replay import evidence, stalls
 from miles_fsm.replay import summary as rank_summary
+from miles_fsm.replay.model import Damage, RankTrace
 from miles_fsm.replay.problems import (
     RANK,
     Problem,
@@ -32,8 +34,6 @@ from miles_fsm.replay.problems import (
     stop_problems,
     undamaged_divergence,
 )
-from miles_fsm.ranks import plural_ranks, rank_ranges
-from miles_fsm.replay.model import Damage, RankTrace
 
 __all__ = ["Diagnosis", "Verdict", "diagnose", "rank_ranges"]
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from miles_fsm.blame import suspects
 from miles_fsm.ranks import plural_ranks, rank_ranges
-from miles_fsm.trace.schema import GUARD_FAILED, error_fields
 from miles_fsm.replay.model import CANCELLED, RankTrace
+from miles_fsm.trace.schema import GUARD_FAILED, error_fields
 
 #: Intent fields, in the order a divergence names the first that differs.
 _FIELDS = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from miles_fsm.replay.model import RankTrace
 from miles_fsm.trace.schema import (
     GUARD_FAILED,
     RECOVERED,
@@ -21,7 +22,6 @@ from miles_fsm.trace.schema import (
     VERIFY_FAILED,
     error_fields,
 )
-from miles_fsm.replay.model import RankTrace
 
 __all__ = ["OUTSIDE_STOPS", "guard_failures", "outside_failures", "outside_stops", "step_failures",
            "verification_failures"]

@@ -40,22 +40,22 @@ from pathlib import Path
 
 import orjson
 
+from miles_fsm.replay.checks import I64, bad_action
+from miles_fsm.replay.fold_state import CLOSED, OUT, SKIPPED, FoldState
+from miles_fsm.replay.hot import HOT_EVENTS, decode_hot, hot_errors
+from miles_fsm.replay.model import FINISHED, OPEN, UNCLOSED, EpochRange, RankTrace
 from miles_fsm.trace.schema import (
     ACTION_FINISHED,
     ACTION_STARTED,
-    SCHEMA_VERSION,
     GUARD_ENTERED,
     GUARD_PASSED,
+    SCHEMA_VERSION,
     TRACE_CLOSED,
     TRACE_OPENED,
     TRANSITION_FINISHED,
     TRANSITION_STARTED,
     VERIFIED,
 )
-from miles_fsm.replay.checks import I64, bad_action
-from miles_fsm.replay.fold_state import CLOSED, OUT, SKIPPED, FoldState
-from miles_fsm.replay.hot import HOT_EVENTS, decode_hot, hot_errors
-from miles_fsm.replay.model import FINISHED, OPEN, UNCLOSED, EpochRange, RankTrace
 
 __all__ = ["fold"]
 

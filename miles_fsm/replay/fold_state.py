@@ -10,8 +10,9 @@ with the recorded triggers, the run, the notes, ``trace_opened`` and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 

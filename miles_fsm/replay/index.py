@@ -33,8 +33,8 @@ from typing import Any
 
 import msgspec
 
-from miles_fsm.trace.paths import index_path
 from miles_fsm.replay.model import BadLine, Damage, Duplicate, Illegal, MachineTable, Note, Position, RankTrace
+from miles_fsm.trace.paths import index_path
 
 __all__ = ["IndexCheck", "check_index", "load_index", "write_index"]
 
@@ -242,7 +242,7 @@ def _machine_table(w: list[Any]) -> MachineTable:
 def _columns(table: list[tuple[Any, ...]]) -> list[Any]:
     """The guard table by column, collectives and tensor sets each stored once: a key is new at every guard,
     the plan and the tensor set hardly ever, and a row of tuples costs most of an index's decode."""
-    keys, cols, tensors = zip(*table) if table else ((), (), ())
+    keys, cols, tensors = zip(*table, strict=True) if table else ((), (), ())
     plans = list(dict.fromkeys(cols))
     sets = list(dict.fromkeys(tensors))
     plan_of, set_of = {p: i for i, p in enumerate(plans)}, {t: i for i, t in enumerate(sets)}

@@ -59,7 +59,7 @@ class EpochRange:
     last: int | None
 
     @classmethod
-    def parse(cls, text: str) -> "EpochRange":
+    def parse(cls, text: str) -> EpochRange:
         """``3`` (one epoch), ``2:5`` or ``2:`` (from 2 on)."""
         lo, sep, hi = text.partition(":")
         try:

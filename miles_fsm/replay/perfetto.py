@@ -28,6 +28,10 @@ from typing import Any
 
 import orjson
 
+from miles_fsm.errors import MilesFsmError
+from miles_fsm.replay.checks import invalid, label
+from miles_fsm.replay.model import EpochRange, RankTrace
+from miles_fsm.replay.order import records
 from miles_fsm.trace.schema import (
     ACTION_FINISHED,
     ACTION_STARTED,
@@ -44,10 +48,6 @@ from miles_fsm.trace.schema import (
     VERIFY_FAILED,
     error_fields,
 )
-from miles_fsm.errors import MilesFsmError
-from miles_fsm.replay.checks import invalid, label
-from miles_fsm.replay.model import EpochRange, RankTrace
-from miles_fsm.replay.order import records
 
 __all__ = ["STATE_TID", "TRANSITION_TID", "OutputPathError", "check_output", "export_perfetto"]
 
@@ -159,7 +159,7 @@ def export_perfetto(
     count = 0
     end_ts = 0.0
     try:
-        f = open(out, "wb")  # noqa: SIM115 - closed below, with its OSError reported as bad output
+        f = open(out, "wb")
     except OSError as exc:
         raise OutputPathError(out, f"cannot be written ({exc.strerror or exc})") from exc
     with f:

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from miles_fsm.ranks import plural_ranks
 from miles_fsm.replay.divergence import first_divergence
 from miles_fsm.replay.evidence import first_line
-from miles_fsm.ranks import plural_ranks
-from miles_fsm.trace.schema import TRACE_CLOSED
 from miles_fsm.replay.model import RankTrace
+from miles_fsm.trace.schema import TRACE_CLOSED
 
 __all__ = [
     "RANK",

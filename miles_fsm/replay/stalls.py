@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles_fsm.replay.evidence import CORE_EVENTS
-from miles_fsm.trace.schema import error_fields
 from miles_fsm.replay.model import FINISHED, RankTrace
 from miles_fsm.replay.stopped import cut_off, stopped_entry
+from miles_fsm.trace.schema import error_fields
 
 #: A failed collective's ``transport`` (judged by the writer) -> how it accuses the silent rank.
 _TRANSPORT = {"peer_lost": "lost", "timeout": "timeout"}

@@ -6,11 +6,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from miles_fsm.replay.evidence import first_line
-from miles_fsm.trace.schema import TRANSITION_FAILED
 from miles_fsm.replay.checks import label
+from miles_fsm.replay.evidence import first_line
 from miles_fsm.replay.model import FAILED as OUT_FAILED
 from miles_fsm.replay.model import FINISHED, Damage, RankTrace
+from miles_fsm.trace.schema import TRANSITION_FAILED
 
 __all__ = ["damage_json", "illegal_json", "rank_json", "trace_problems", "world_of"]
 

@@ -7,7 +7,7 @@ index writer to ``Tracer`` as its ``on_close`` hook.
 
 from miles_fsm.trace.paths import index_path, trace_path
 from miles_fsm.trace.schema import SCHEMA_VERSION
-from miles_fsm.trace.writer import CloseHook, NullTracer, TraceIndexWarning, TraceSink, Tracer, new_run_id
+from miles_fsm.trace.writer import CloseHook, NullTracer, TraceIndexWarning, Tracer, TraceSink, new_run_id
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -17,8 +17,8 @@ import threading
 import time
 import warnings
 import weakref
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
@@ -26,8 +26,8 @@ import structlog
 import structlog.contextvars
 
 from miles_fsm.errors import describe
-from miles_fsm.trace.schema import SCHEMA_VERSION, TRACE_CLOSED, TRACE_OPENED
 from miles_fsm.trace.paths import index_path, trace_path
+from miles_fsm.trace.schema import SCHEMA_VERSION, TRACE_CLOSED, TRACE_OPENED
 
 __all__ = ["CloseHook", "NullTracer", "TraceIndexWarning", "TraceSink", "Tracer", "new_run_id", "trace_path"]
 
@@ -119,7 +119,7 @@ class Tracer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rotated_to = _rotate(self.path)
         # buffering=0: every record is one write(2), durable across SIGKILL.
-        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - owned until close()
+        self._file = open(self.path, "ab", buffering=0)
         # A lifecycle dropped without close() still closes its trace quietly.
         self._finalizer = weakref.finalize(self, self._file.close)
         # The async API writes from the event-loop thread too: one lock keeps
@@ -193,7 +193,7 @@ class Tracer:
             return
         try:
             self._on_close(self.path, self._context["rank"])
-        except Exception as exc:  # noqa: BLE001 - reported below; it must not replace the error the trace closed on
+        except Exception as exc:
             # The trace is whole either way; without its index replay reads its lines, only slower.
             warnings.warn(TraceIndexWarning(self.path, exc), stacklevel=2)
 
