@@ -26,7 +26,7 @@ from typing import Any
 from miles_fsm.apps.demo.config import DemoConfig
 from miles_fsm.launch.local import RankOutcome
 from miles_fsm.replay.diagnose import Diagnosis
-from miles_fsm.replay.evidence import stopped_from_outside
+from miles_fsm.replay.evidence import last_own_record, stopped_from_outside
 from miles_fsm.replay.model import RankTrace
 
 __all__ = ["DemoResult", "blame", "print_result"]
@@ -134,12 +134,9 @@ def trace_end(t: RankTrace | None) -> str:
     """The last record of a rank's trace, in words: event, the action or trigger it names, state, epoch."""
     if t is None or not t.records:
         return "nothing (no trace)"
-    event, what = t.last_event, t.last_subject
-    if stopped_from_outside(t) is not None and t.before_close is not None:
-        # The stop wrote the close: where it found the rank is the record before.
-        event, what = t.before_close["event"], t.before_close["subject"]
-        return f"{event} {what or ''} in {t.state} (epoch {t.epoch}), then its stop's trace_closed".replace("  ", " ")
-    return f"{event} {what or ''} in {t.state} (epoch {t.epoch})".replace("  ", " ")
+    event, what, _ = last_own_record(t)
+    then = ", then its stop's trace_closed" if stopped_from_outside(t) is not None else ""
+    return f"{event} {what or ''} in {t.state} (epoch {t.epoch}){then}".replace("  ", " ")
 
 
 def _clip(text: str, limit: int = 240) -> str:

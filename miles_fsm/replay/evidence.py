@@ -23,7 +23,7 @@ from miles_fsm.trace.schema import (
     error_fields,
 )
 
-__all__ = ["OUTSIDE_STOPS", "guard_failures", "outside_failures", "outside_stops", "step_failures",
+__all__ = ["OUTSIDE_STOPS", "guard_failures", "last_own_record", "outside_failures", "outside_stops", "step_failures",
            "verification_failures"]
 
 #: Notes of the lifecycle's own records; any other note is a driver's or the demo's (or an unclean close).
@@ -41,6 +41,15 @@ def stopped_from_outside(t: RankTrace) -> dict[str, Any] | None:
     """The rank's ``trace_closed`` record if it says the rank was stopped from outside, else None."""
     c = t.closed
     return c if c is not None and c.get("clean") is not True and c.get("error") in OUTSIDE_STOPS else None
+
+
+def last_own_record(t: RankTrace) -> tuple[str | None, str | None, float | None]:
+    """The event, subject (action or trigger) and wall clock of the rank's last record of its own: the one
+    before the ``trace_closed`` a stop from outside wrote for it, else its last record."""
+    b = t.before_close
+    if b is not None and not t.after_close and stopped_from_outside(t) is not None:
+        return b["event"], b["subject"], b["wall"]
+    return t.last_event, t.last_subject, t.last_wall
 
 
 def outside_stops(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles_fsm.ranks import plural_ranks
-from miles_fsm.replay.evidence import stopped_from_outside
+from miles_fsm.replay.evidence import last_own_record, stopped_from_outside
 from miles_fsm.replay.model import RankTrace
 from miles_fsm.trace.schema import TRANSITION_CANCELLED, TRANSITION_FINISHED, error_fields
 
@@ -49,11 +49,9 @@ def stopped_entry(
     """
     decisive = [a for a in acc if a["kind"] != "located"]
     at = min(decisive or acc, key=lambda a: a["position"]) if acc else None
-    since = None if t is None else t.last_wall
+    since = None if t is None else last_own_record(t)[2]
     stop = None if t is None else stopped_from_outside(t)
-    if stop is not None and not t.after_close:
-        since = (t.before_close or {}).get("wall")  # its last record is the stop's: it was last active before
-    state, epoch, position, transition, inside = _where(t, at, traces, stop, unread=unread)
+    state, epoch, position, transition, inside = _where(t, at, traces, unread=unread)
     silent = None if since is None or last_wall is None else max(0.0, last_wall - since)
     how, evidence = _judged(r, t, acc, traces, stop, silent, bound)
     verb = {"crashed": "crashed", "stuck": "is stuck", "unknown": "stopped", "left": "left the run",
@@ -94,8 +92,8 @@ def stopped_entry(
     }
 
 
-def _where(t: RankTrace | None, at: dict[str, Any] | None, traces: Sequence[RankTrace], stop: dict[str, Any] | None,
-           *, unread: bool) -> tuple[str | None, int | None, int, str | None, str]:  # fmt: skip
+def _where(t: RankTrace | None, at: dict[str, Any] | None, traces: Sequence[RankTrace], *,
+           unread: bool) -> tuple[str | None, int | None, int, str | None, str]:  # fmt: skip
     """Where the rank stopped: its state, epoch, position, transition, and a phrase for inside what."""
     if t is None:
         state, epoch, position, transition = None, at["epoch"] if at else None, None, None
@@ -115,20 +113,18 @@ def _where(t: RankTrace | None, at: dict[str, Any] | None, traces: Sequence[Rank
         transition = at["transition"] if at else _next_trigger(traces, t.positions)
         if at is not None and at["epoch"] is not None:
             epoch = at["epoch"]
-        inside = _between(t, done, transition, stop)
+        inside = _between(t, done, transition)
     if position is None:
         position = at["position"] if at else min((x.positions for x in traces), default=0)
     return state, epoch, position, transition, inside
 
 
-def _between(t: RankTrace, done: str, transition: str | None, stop: dict[str, Any] | None) -> str:
+def _between(t: RankTrace, done: str, transition: str | None) -> str:
     """Where a rank stopped between transitions: after which one, and its last record if outside them."""
     if cancelled_at(t) is not None:
         return f"{done}, which it cancelled before its guard: it entered no collective"
     inside = f"between transitions: it finished {done}" + (f" and never started {transition}" if transition else "")
-    last_event, last_subject = t.last_event, t.last_subject
-    if stop is not None and t.before_close is not None:  # the stop wrote the close: what came before
-        last_event, last_subject = t.before_close["event"], t.before_close["subject"]
+    last_event, last_subject, _ = last_own_record(t)
     if last_event != TRANSITION_FINISHED and last_event is not None:
         # Its last record is outside the lifecycle's transitions (a guarded train step, a driver's own).
         inside = f"between transitions: it finished {done}, and its last record is {last_event}" + (
