@@ -103,7 +103,11 @@ def _apply(root: Path, world: int, kind: str, n: int) -> None:
         actions = [i for i, ln in enumerate(lines) if b'"event":"action_' in ln]
         if actions:
             i = rnd.choice(actions)
-            lines[i] = _ACTION_EDITS[n % len(_ACTION_EDITS)](orjson.loads(lines[i]))
+            try:
+                rec = orjson.loads(lines[i])
+            except orjson.JSONDecodeError:
+                return  # an earlier edit already made this line no record: it stays that damage
+            lines[i] = _ACTION_EDITS[n % len(_ACTION_EDITS)](rec)
     elif kind == "edit_identity" and lines:
         i = rnd.randrange(len(lines))
         try:
@@ -241,6 +245,7 @@ def test_damaged_traces_never_crash_and_ok_means_healthy(capsys, world, cycles, 
 )
 # Damage that keeps a file's size (a shuffle): only the CRC tells the index is stale.
 @example(world=2, fault=None, damages=[("shuffle", 1)])
+@example(world=2, fault=None, damages=[("edit_action", 0), ("edit_action", 0)])  # an edit of an edited line
 def test_an_index_never_changes_what_replay_says(capsys, world, fault, damages):
     """Indexes written at close, then any damage: replay says exactly what it says from the lines alone."""
     from miles_fsm.replay.index import write_index
