@@ -79,6 +79,8 @@ def _lines(root: Path, rank: int) -> list[bytes]:
 def _apply(root: Path, world: int, kind: str, n: int) -> None:
     rnd = random.Random(n)
     path = root / f"rank-{n % world}.jsonl"
+    if not path.is_file():
+        return  # an earlier damage left no file here, or a link to none (a loop): that damage stands
     lines = path.read_bytes().splitlines()
     if kind == "truncate":
         data = b"\n".join(lines) + b"\n"
@@ -127,8 +129,8 @@ def _apply(root: Path, world: int, kind: str, n: int) -> None:
             lines[i] = lines[i][:at] + bytes([lines[i][at] ^ (1 << rnd.randrange(8))]) + lines[i][at + 1 :]
     elif kind in ("copy", "symlink", "swap"):
         other = root / f"rank-{(n // world + 1 + n) % world}.jsonl"
-        if other == path:
-            return
+        if other == path or not other.is_file() or (kind == "symlink" and other.is_symlink()):
+            return  # no file to take, or a link to a link (two links to each other would be a loop, not a trace)
         if kind == "swap":
             a, b = path.read_bytes(), other.read_bytes()
             path.unlink()
@@ -137,7 +139,7 @@ def _apply(root: Path, world: int, kind: str, n: int) -> None:
             other.write_bytes(a)
         else:
             # Read first: ``other`` may be a symlink to this very file (an earlier damage).
-            data = other.read_bytes() if kind == "copy" and other.exists() else None
+            data = other.read_bytes() if kind == "copy" else None
             path.unlink()
             if data is not None:
                 path.write_bytes(data)
@@ -246,6 +248,7 @@ def test_damaged_traces_never_crash_and_ok_means_healthy(capsys, world, cycles, 
 # Damage that keeps a file's size (a shuffle): only the CRC tells the index is stale.
 @example(world=2, fault=None, damages=[("shuffle", 1)])
 @example(world=2, fault=None, damages=[("edit_action", 0), ("edit_action", 0)])  # an edit of an edited line
+@example(world=2, fault=None, damages=[("symlink", 0), ("symlink", 1)])  # the second would link back: skipped
 def test_an_index_never_changes_what_replay_says(capsys, world, fault, damages):
     """Indexes written at close, then any damage: replay says exactly what it says from the lines alone."""
     from miles_fsm.replay.index import write_index
