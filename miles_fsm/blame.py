@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from miles_fsm.errors.guard import DivergenceKind
 from miles_fsm.ranks import plural_ranks
 
 __all__ = ["Suspects", "suspects"]
@@ -35,7 +36,7 @@ class Suspects:
     """Who is suspect, and how that was decided: ``changed``, ``tie`` or ``undecided``."""
 
     ranks: tuple[int, ...]
-    how: str
+    how: DivergenceKind
     reason: str
 
     @property
@@ -57,7 +58,8 @@ def suspects(groups: Mapping[str, Sequence[int]], *, previous: str | None = None
     every = tuple(sorted(r for ranks in groups.values() for r in ranks))
     sizes = sorted(len(r) for r in groups.values())
     if len(sizes) > 1 and sizes[0] < sizes[1]:
-        fewer = sorted(min(groups.values(), key=len))
+        smallest: Sequence[int] = min(groups.values(), key=len)
+        fewer = sorted(smallest)
         return Suspects(
             every,
             "undecided",

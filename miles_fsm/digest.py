@@ -29,13 +29,15 @@ compared with ``sha256sum`` of a file.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import queue
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import cast
 
 import torch
 
@@ -148,7 +150,7 @@ def digest_tensors(tensors: Mapping[str, torch.Tensor], *, threads: int | None =
         for dev_names in by_device.values():
             for name in dev_names:
                 leaves[name] = [hashlib.sha256(c).digest() for c in _chunks(_host_bytes(tensors[name].to("cpu")))]
-        return {name: _root(sizes[name], leaves[name]) for name in names}  # type: ignore[arg-type]
+        return _roots(names, sizes, leaves)
     with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="miles-fsm-sha") as pool:
         futures: list[Future[None]] = []
         for name, view in host:
@@ -160,7 +162,12 @@ def digest_tensors(tensors: Mapping[str, torch.Tensor], *, threads: int | None =
             futures.extend(ring.stream({n: tensors[n] for n in dev_names}, leaves, pool))
         for f in futures:
             f.result()  # re-raises a hasher's error here
-    return {name: _root(sizes[name], leaves[name]) for name in names}  # type: ignore[arg-type]
+    return _roots(names, sizes, leaves)
+
+
+def _roots(names: list[str], sizes: dict[str, int], leaves: dict[str, list[bytes | None]]) -> dict[str, str]:
+    # Every leaf is hashed by now (each hasher finished, or re-raised its error): none is still None.
+    return {name: _root(sizes[name], cast("list[bytes]", leaves[name])) for name in names}
 
 
 def _chunks(view: memoryview) -> list[memoryview]:
@@ -191,7 +198,8 @@ class StagingRing:
         # One power-of-two block: torch's pinned allocator rounds up to one anyway.
         self._host = torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=True)
         self._slots = [self._host[i * slot_bytes : (i + 1) * slot_bytes] for i in range(slots)]
-        self._stream = torch.cuda.Stream(device=device)
+        # torch leaves Stream.__new__ unannotated.
+        self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._lock = threading.Lock()
 
     @classmethod
@@ -236,20 +244,21 @@ class StagingRing:
         # Everything queued on the current stream (the training step) must land first.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         sources = {n: t.detach().contiguous().reshape(-1).view(torch.uint8) for n, t in tensors.items() if t.numel()}
-        slot, used, pieces = -1, 0, []  # pieces: (name, first chunk index, offset in slot, nbytes)
+        slot, used = -1, 0
+        pieces: list[tuple[str, int, int, int]] = []  # (name, first chunk index, offset in slot, nbytes)
 
         def flush() -> None:
             nonlocal slot, used, pieces
             if slot < 0 or not pieces:
                 return
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: Event.__new__ is unannotated
             event.record(self._stream)
             jobs = [
                 (name, first + k, off + k * CHUNK_BYTES, min(CHUNK_BYTES, nbytes - k * CHUNK_BYTES))
                 for name, first, off, nbytes in pieces
                 for k in range(_n_chunks(nbytes))
             ]
-            countdown = _Countdown(len(jobs), lambda s=slot: free.put(s))
+            countdown = _Countdown(len(jobs), functools.partial(free.put, slot))
             buf = self._slots[slot]
             for name, index, off, n in jobs:
                 futures.append(pool.submit(_hash_staged, event, buf, off, n, leaves[name], index, countdown))
@@ -284,7 +293,7 @@ class StagingRing:
 class _Countdown:
     """Calls ``done`` once ``n`` jobs have finished (the slot is free again)."""
 
-    def __init__(self, n: int, done: object) -> None:
+    def __init__(self, n: int, done: Callable[[], object]) -> None:
         self._n = n
         self._done = done
         self._lock = threading.Lock()
@@ -294,7 +303,7 @@ class _Countdown:
             self._n -= 1
             last = self._n == 0
         if last:
-            self._done()  # type: ignore[operator]
+            self._done()
 
 
 def _hash_staged(

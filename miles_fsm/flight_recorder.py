@@ -114,7 +114,10 @@ def _raw() -> dict[str, Any]:
 
     # The pickled dump without stack traces: several times cheaper than the JSON one, and it is
     # this process's own (trusted) data. The audit reads it once per audited transition.
-    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))
+    # torch's stubs (torch/_C/_distributed_c10d.pyi) leave _dump_fr_trace out; it returns the pickle's bytes.
+    raw = torch._C._distributed_c10d._dump_fr_trace(True, False, False)  # type: ignore[attr-defined]
+    dump: dict[str, Any] = pickle.loads(raw)
+    return dump
 
 
 def parse(entry: dict[str, Any]) -> FrEntry:

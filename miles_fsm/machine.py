@@ -22,11 +22,12 @@ epoch rule and the probe that measures memory between steps.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import transitions
 
@@ -52,8 +53,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Failure", "InFlight", "Machine", "Plan", "PlannedStep", "StepResult", "TransitionResult"]
 
-S = TypeVar("S")
-T = TypeVar("T")
+S = TypeVar("S", bound=enum.Enum)
+T = TypeVar("T", bound=enum.Enum)
+
+#: Where a firing is: planning, in its ``before_guard`` (a cancellation there fails nothing), at the guard,
+#: or in its steps.
+_Phase = Literal["plan", "cancel", "guard", "step"]
 
 
 class Report(Protocol):
@@ -80,7 +85,7 @@ class InFlight:
 
     trigger: Any
     epoch: int
-    phase: str  # "plan", "guard" or "step"
+    phase: Literal["plan", "guard", "step"]
     step: str | None
     since_mono: float
 
@@ -137,7 +142,7 @@ class _Firing:
         self.epoch = epoch
         self.before_guard = before_guard
         self.started = time.perf_counter()
-        self.phase = "plan"
+        self.phase: _Phase = "plan"
         self.step: str | None = None
         self.guard_s = 0.0
         self.plan: Plan | None = None
@@ -166,14 +171,14 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
     def __init__(
         self,
         *,
-        definition: Definition[Any, Any],
+        definition: Definition[S, T],
         planner: Callable[[Transition[Any, Any], int], Plan],
         next_epoch: Callable[[Any, int], int],
         guard: Guard,
         tracer: TraceSink,
         probe: Callable[[], int | None] = lambda: None,
         timeout_for: Callable[[str], float | None] = lambda trigger: None,
-        on_failure: Callable[[Failure], None] | None = None,
+        on_failure: Callable[[Failure], object] | None = None,
     ) -> None:
         self.definition = definition
         self.guard = guard
@@ -188,7 +193,7 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
         self._failure: Failure | None = None
         self._in_flight: InFlight | None = None
         self._model = _Model()
-        self._states = {s.value: s for s in definition.states}
+        self._states: dict[str, S] = {s.value: s for s in definition.states}
         self._machine = transitions.Machine(
             model=self._model,
             states=list(self._states),
@@ -279,7 +284,8 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
 
     def _admit(self, event: Any) -> bool:
         f: _Firing = event.args[0]
-        intent = f.plan.intent  # type: ignore[union-attr]
+        assert f.plan is not None  # _prepare made it
+        intent = f.plan.intent
         if intent is not None:
             self._in_flight = InFlight(f.arrow.trigger, f.epoch, "guard", None, time.monotonic())
             f.guard_s = self.agree(intent, {"state": f.arrow.source.value, "epoch": f.epoch,
@@ -296,7 +302,8 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
         results = []
         # One probe per step boundary: a step's "after" is the next step's "before".
         mem = self._probe()
-        for planned in f.plan.steps:  # type: ignore[union-attr]
+        assert f.plan is not None  # _prepare made it
+        for planned in f.plan.steps:
             name = f.step = planned.name
             self._in_flight = InFlight(trigger, epoch, "step", name, time.monotonic())
             if traced:
@@ -354,8 +361,7 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
             exc.add_note(f"miles-fsm: rank {self.guard.rank} is now {failed} "
                          f"({trigger.value}, epoch {epoch}, in {step or 'guard'})")  # fmt: skip
         try:
-            self.guard.publish_failure(epoch, trigger.value, source, f"failed in {step or 'guard'} of", step=step,
-                                       error=type(exc).__name__)  # fmt: skip
+            self.guard.publish_failure(epoch, trigger.value, source, step=step, error=type(exc).__name__)
         except RuntimeError as store_exc:  # the store's host may be gone; the trace still has it
             self.tracer.emit(STORE_UNREACHABLE, state=failed, **describe(store_exc), **base)
         if self._on_failure is not None:  # after the peers were told: a slow dump must not delay them
@@ -368,6 +374,6 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
         write the ``recovered`` record; the caller holds the lock.
         """
         failure = self._failure
-        self._machine.set_state(target.value, model=self._model)  # type: ignore[attr-defined]
+        self._machine.set_state(target.value, model=self._model)
         self._failure = None
         return failure

@@ -85,13 +85,16 @@ class AsyncMachine:
     def state(self) -> Any:
         return self._lc.state
 
+    # The owner is duck-typed (see the class's docstring): these say what its facts are.
     @property
     def epoch(self) -> int:
-        return self._lc.epoch
+        epoch: int = self._lc.epoch
+        return epoch
 
     @property
     def rank(self) -> int:
-        return self._lc.rank
+        rank: int = self._lc.rank
+        return rank
 
     def snapshot(self) -> AsyncSnapshot:
         """State, epoch, the transition in flight and since when, paused tags, and the lock's queue."""

@@ -61,17 +61,21 @@ class AsyncSnapshot:
     def state(self) -> Any:
         return self.lifecycle.state
 
+    # The owner's snapshot is duck-typed (``lifecycle: Any``): these say what its facts are.
     @property
     def epoch(self) -> int:
-        return self.lifecycle.epoch
+        epoch: int = self.lifecycle.epoch
+        return epoch
 
     @property
     def in_flight(self) -> InFlight | None:
-        return self.lifecycle.in_flight
+        in_flight: InFlight | None = self.lifecycle.in_flight
+        return in_flight
 
     @property
     def failure(self) -> Failure | None:
-        return self.lifecycle.failure
+        failure: Failure | None = self.lifecycle.failure
+        return failure
 
     def __getattr__(self, name: str) -> Any:
         # The owner's own facts (the lifecycle's paused tags, say) read through.

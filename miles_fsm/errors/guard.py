@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from miles_fsm.errors.base import MilesFsmError, list_ranks
 
 __all__ = [
+    "DivergenceKind",
     "GuardError",
     "GuardTimeoutError",
     "LastSeen",
@@ -21,6 +23,11 @@ __all__ = [
     "PeerStepFailedError",
     "RankDivergenceError",
 ]
+
+
+#: How the suspects of a divergence were found (``miles_fsm.blame``): ``changed``, ``tie`` or ``undecided``;
+#: ``minority`` is the default of a ``RankDivergenceError`` built by hand.
+DivergenceKind = Literal["minority", "tie", "changed", "undecided"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +73,7 @@ class RankDivergenceError(GuardError, RuntimeError):
         groups: Mapping[str, Sequence[int]],
         detail: str = "",
         culprits: Sequence[int] | None = None,
-        how: str = "minority",
+        how: DivergenceKind = "minority",
         differences: Mapping[str, Mapping[str, Sequence[int]]] | None = None,
         positions: Mapping[int, str] | None = None,
     ) -> None:
@@ -77,7 +84,7 @@ class RankDivergenceError(GuardError, RuntimeError):
         self.detail = detail
         minority = min(self.groups.values(), key=len) if self.groups else ()
         self.culprits = tuple(culprits) if culprits else tuple(minority)
-        self.how = how
+        self.how: DivergenceKind = how
         self.differences = {f: {k: tuple(v) for k, v in g.items()} for f, g in (differences or {field: groups}).items()}
         self.positions = dict(positions or {})
         if how == "tie":

@@ -13,7 +13,6 @@ others wait for that one key, so the store serves O(N) requests, not N^2.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from datetime import timedelta
@@ -33,7 +32,7 @@ from miles_fsm.errors import (
     RankDivergenceError,
 )
 from miles_fsm.guard.disagreement import explain_divergence
-from miles_fsm.guard.publisher import Publisher, note_on, record, warn_each
+from miles_fsm.guard.publisher import Publisher, Sighting, note_on, read_record, record, warn_each
 from miles_fsm.guard.roll import roll_call
 from miles_fsm.guard.store import default_store, env_world_size, group_namespace, stable_hash
 from miles_fsm.plan import Intent
@@ -41,9 +40,8 @@ from miles_fsm.trace.writer import new_run_id
 
 __all__ = ["Guard"]
 
-_ARRIVED = "entered guard of"
-_JOINED = "built its guard"
-_RECOVERED = "recovered from"
+#: What a rank that went missing after the last guard every rank passed is shown as (``_best_sighting``).
+_PASSED = "passed guard of"
 
 #: After a peer is lost, how long to let the other survivors publish their
 #: arrival before naming who is missing. Short: they were all about to arrive.
@@ -82,7 +80,7 @@ class Guard:
         self._publisher = Publisher(store, self._last_key(rank), rank=rank) if world > 1 else None
         if self._publisher is not None:
             # Every rank's key exists from the start, so one multi_get reads them all.
-            self._publisher.set_now(record(-1, "", "", _JOINED))
+            self._publisher.set_now(record(-1, "", "", "joined"))
         #: The last guard every rank passed: where a rank that later goes missing was last seen.
         self._last_passed: LastSeen | None = None
         #: Per trigger, the intent every rank agreed on the last time it passed.
@@ -176,11 +174,12 @@ class Guard:
         ``timeout_s`` (at most the group's timeout) bounds this guard's wait
         instead of the group's own timeout.
         """
-        if self.world == 1:
+        publisher = self._publisher
+        if publisher is None:  # world size 1
             return
         self._entries += 1
-        arrival = record(intent.epoch, intent.trigger, state, _ARRIVED)
-        self._publisher.arm(arrival)
+        arrival = record(intent.epoch, intent.trigger, state, "arrived")
+        publisher.arm(arrival)
         key = intent.key
         self._view[0] = key
         self._view[1] = -key
@@ -195,24 +194,24 @@ class Guard:
             else:
                 dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group)
         except RuntimeError as exc:  # gloo reports timeouts and lost peers as RuntimeError
-            self._publisher.disarm()
+            publisher.disarm()
             # Make sure our own arrival is in the store before judging others'.
             try:
-                self._publisher.set_now(arrival)
+                publisher.set_now(arrival)
             except RuntimeError as store_exc:  # the store's host may be the lost peer: still name who is missing
-                self._publisher.keep(self._last_key(self.rank), store_exc)
+                publisher.keep(self._last_key(self.rank), store_exc)
             error = self._missing_error(intent, exc, time.monotonic() - started, limit)
-            note_on(error, self._publisher.take_errors())  # the store's records of us may be stale: say why
+            note_on(error, publisher.take_errors())  # the store's records of us may be stale: say why
             raise error from exc
-        self._publisher.disarm()
-        if kept := self._publisher.take_errors():  # a store error fails no guard that agreed: it is reported
+        publisher.disarm()
+        if kept := publisher.take_errors():  # a store error fails no guard that agreed: it is reported
             warn_each(kept)
         if self._view[0] != -self._view[1]:
             raise self._divergence(intent)
         # What every rank agreed on last for this trigger: the evidence of who changed, next time.
         self._agreed[intent.trigger] = intent
         self._last_passed = LastSeen(
-            rank=-1, epoch=intent.epoch, trigger=intent.trigger, state=state, phase="passed guard of", wall=time.time()
+            rank=-1, epoch=intent.epoch, trigger=intent.trigger, state=state, phase=_PASSED, wall=time.time()
         )
 
     def share_outcome(self, error: BaseException | None, *, epoch: int, trigger: str, step: str) -> None:
@@ -238,23 +237,26 @@ class Guard:
         failed = {r: text for r, text in enumerate(said) if text is not None}
         raise PeerStepFailedError(epoch=epoch, trigger=trigger, step=step, ranks=sorted(failed), errors=failed)
 
-    def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str, *, step: str | None = None,
-                        error: str | None = None) -> None:  # fmt: skip
+    def publish_failure(self, intent_epoch: int, trigger: str, state: str, phase: str | None = None, *,
+                        step: str | None = None, error: str | None = None) -> None:  # fmt: skip
         """Tell the store that this rank failed, so that every peer waiting for it names it, with the
         step it failed in (None: its guard) and its exception's type, instead of calling it missing.
-        ``phase`` starts with ``"failed"``."""
-        if self.world == 1:
-            return
-        self._publisher.set_now(record(intent_epoch, trigger, state, phase, step=step, error=error))
+        ``phase``: what peers are shown of it, if not ``failed in <step, or guard> of`` (a failure
+        outside the lifecycle's transitions, such as the demo's, names its own place)."""
+        if self._publisher is not None:
+            self._publisher.set_now(record(intent_epoch, trigger, state, "failed", step=step, error=error, phase=phase))
 
     def publish_recovered(self, epoch: int, trigger: str, state: str) -> None:
         """Tell the store that this rank left its failed state, so that no peer blames that failure later."""
-        if self.world == 1:
-            return
-        self._publisher.set_now(record(epoch, trigger, state, _RECOVERED))
+        if self._publisher is not None:
+            self._publisher.set_now(record(epoch, trigger, state, "recovered"))
 
     def last_seen(self) -> dict[int, LastSeen | None]:
-        """What the store last heard from each rank (None: nothing, or store unreachable).
+        """What the store last heard from each rank (None: nothing, or store unreachable)."""
+        return {r: None if s is None else s.seen for r, s in self._sightings().items()}
+
+    def _sightings(self) -> dict[int, Sighting | None]:
+        """``last_seen``, with what each rank's record says it did.
 
         One ``check`` and one ``multi_get`` for all ranks (two round trips,
         whatever the world size), not two per rank; key by key only while
@@ -268,29 +270,29 @@ class Guard:
                 raws = [self._store.get(k) if self._store.check([k]) else None for k in keys]
         except RuntimeError:  # the store's host may be the rank that died
             return {r: None for r in range(self.world)}
-        seen: dict[int, LastSeen | None] = {}
+        seen: dict[int, Sighting | None] = {}
         for r, raw in enumerate(raws):
-            record = None if raw is None else LastSeen(rank=r, **orjson.loads(raw))
-            seen[r] = None if record is None or record.phase == _JOINED else record
+            sighting = None if raw is None else read_record(orjson.loads(raw), rank=r)
+            seen[r] = None if sighting is None or sighting.status == "joined" else sighting
         return seen
 
     def _last_key(self, rank: int) -> str:
         return f"{self.namespace}last/{rank}"
 
-    def _arrived(self, intent: Intent, seen: LastSeen | None) -> bool:
+    def _arrived(self, intent: Intent, sighting: Sighting | None) -> bool:
         # A rank that failed in this very guard came to it: it fails with us, it is not the cause.
         return (
-            seen is not None
-            and seen.epoch == intent.epoch
-            and seen.trigger == intent.trigger
-            and (seen.phase == _ARRIVED or (_failed(seen) and seen.step is None))
+            sighting is not None
+            and sighting.seen.epoch == intent.epoch
+            and sighting.seen.trigger == intent.trigger
+            and (sighting.status == "arrived" or (sighting.failed and sighting.seen.step is None))
         )
 
     def _missing_error(self, intent: Intent, exc: RuntimeError, waited: float, limit: float) -> Exception:
         timed_out = waited >= limit * 0.9 or "timed out" in str(exc).lower()
         missing, failed, seen = self._missing_report(intent, timed_out)
         last = {r: self._best_sighting(r, seen.get(r)) for r in missing}
-        said = {r: seen[r] for r in failed if seen.get(r) is not None}
+        said = {r: s.seen for r in failed if (s := seen.get(r)) is not None}
         if said and not missing:
             # Nobody is missing: the ranks that failed on their own stopped this guard.
             return PeerFailedError(epoch=intent.epoch, trigger=intent.trigger, failed=said)
@@ -306,7 +308,7 @@ class Guard:
 
     def _missing_report(
         self, intent: Intent, timed_out: bool
-    ) -> tuple[list[int], list[int], dict[int, LastSeen | None]]:
+    ) -> tuple[list[int], list[int], dict[int, Sighting | None]]:
         """Who is missing, who failed before the guard, and what the store last heard from both, as the
         reporter read it.
 
@@ -328,29 +330,30 @@ class Guard:
         missing, failed, seen = self._poll_missing(intent, timed_out)
         named = {r: seen[r] for r in (*missing, *failed)}
         if reporter:
-            sightings = {r: None if s is None else dataclasses.asdict(s) for r, s in named.items()}
+            sightings = {r: None if s is None else s.body() for r, s in named.items()}
             body = {"missing": missing, "failed": failed, "seen": sightings}
             try:
                 self._store.set(key, orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS))
             except RuntimeError as exc:  # the others' wait fails too, and they read the store themselves
+                assert self._publisher is not None  # a guard of more than one rank has one
                 self._publisher.keep(key, exc)
         return missing, failed, named
 
-    def _wait_report(self, key: str) -> tuple[list[int], list[int], dict[int, LastSeen | None]] | None:
+    def _wait_report(self, key: str) -> tuple[list[int], list[int], dict[int, Sighting | None]] | None:
         try:
             self._store.wait([key], timedelta(seconds=_REPORT_WAIT_S))
             body = orjson.loads(bytes(self._store.get(key)))
         except RuntimeError:  # no report in time (torch's DistStoreError is one), or the store is gone
             return None
-        seen = {int(r): None if d is None else LastSeen(**d) for r, d in body["seen"].items()}
+        seen = {int(r): None if d is None else read_record(d) for r, d in body["seen"].items()}
         return list(body["missing"]), list(body["failed"]), seen
 
     def _poll_missing(
         self, intent: Intent, timed_out: bool
-    ) -> tuple[list[int], list[int], dict[int, LastSeen | None]]:
+    ) -> tuple[list[int], list[int], dict[int, Sighting | None]]:
         deadline = time.monotonic() + (0.0 if timed_out else _ARRIVAL_GRACE_S)
         while True:
-            seen = self.last_seen()
+            seen = self._sightings()
             # This rank is here, whatever the store says (it may have refused our arrival).
             missing = [r for r in range(self.world) if r != self.rank and not self._arrived(intent, seen[r])]
             # Stop waiting once every rank that has not arrived has said it failed: none will come.
@@ -360,15 +363,15 @@ class Guard:
         # Ranks that published a failure are not missing: they stopped on their own, and are named as failed.
         return [r for r in missing if not _failed(seen[r])], [r for r in missing if _failed(seen[r])], seen
 
-    def _best_sighting(self, rank: int, stored: LastSeen | None) -> LastSeen | None:
+    def _best_sighting(self, rank: int, stored: Sighting | None) -> LastSeen | None:
         """The store's record if it is a failure; else the last guard all ranks passed together
         (a rank publishes its arrival only when it waits, so the store can be stale)."""
-        if stored is not None and stored.phase.startswith("failed"):
-            return stored
+        if stored is not None and stored.failed:
+            return stored.seen
         if self._last_passed is not None:
             p = self._last_passed
             return LastSeen(rank=rank, epoch=p.epoch, trigger=p.trigger, state=p.state, phase=p.phase, wall=p.wall)
-        return stored
+        return None if stored is None else stored.seen
 
     def _divergence(self, intent: Intent) -> RankDivergenceError:
         """Explain a divergence with O(N) bytes: hashes of every field from every rank, then the
@@ -381,12 +384,13 @@ class Guard:
         representative = {row: rows.index(row) for row in dict.fromkeys(rows)}
         by_rep: dict[int, Intent] = {}
         for rep in representative.values():
-            box = [intent if rep == self.rank else None]
+            box: list[Intent | None] = [intent if rep == self.rank else None]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, rep), group=self._group)
+            assert box[0] is not None  # the broadcast filled it with rank rep's intent
             by_rep[rep] = box[0]
         intents = [by_rep[representative[row]] for row in rows]
         return explain_divergence(intents, previous=self._agreed.get(intent.trigger))
 
 
-def _failed(seen: LastSeen | None) -> bool:
-    return seen is not None and seen.phase.startswith("failed")
+def _failed(sighting: Sighting | None) -> bool:
+    return sighting is not None and sighting.failed

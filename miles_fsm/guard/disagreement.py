@@ -40,7 +40,8 @@ def explain_divergence(intents: Sequence[Intent], *, previous: Intent | None = N
     # The last agreement is evidence only if every rank looks back at the same trigger's: ranks that
     # fired different triggers each hold another history, and would each blame the others.
     same_trigger = "trigger" not in differences and previous is not None and previous.trigger == intents[0].trigger
-    before = dict(previous.fields()).get(field) if same_trigger else None
+    evidence = previous if same_trigger else None
+    before = dict(evidence.fields()).get(field) if evidence is not None else None
     found = suspects(differences[field], previous=before)
     detail = ""
     # A different tensor set usually explains a different collective plan too
@@ -73,6 +74,6 @@ def _tensor_set_detail(intents: Sequence[Intent], groups: dict[str, list[int]]) 
             parts.append(f"ranks [{', '.join(map(str, ranks))}] lack {', '.join(lacking[:8])}")
     if not parts:  # same names, other shapes or dtypes
         specs = [set(s.specs) for s in sets.values()]
-        odd = sorted({s.name for s in set.union(*specs) - set.intersection(*specs)})
+        odd = sorted({s.name for s in specs[0].union(*specs[1:]) - specs[0].intersection(*specs[1:])})
         parts.append("same names, different shape or dtype for " + ", ".join(odd[:8]))
     return "; ".join(parts)

@@ -9,15 +9,35 @@ it fails, where the store's stale records would otherwise mislead.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import orjson
 
-__all__ = ["GuardStoreWarning", "Publisher", "note_on", "record", "warn_each"]
+from miles_fsm.errors import LastSeen
+
+__all__ = [
+    "GuardStatus",
+    "GuardStoreWarning",
+    "Publisher",
+    "Sighting",
+    "note_on",
+    "phase_text",
+    "read_record",
+    "record",
+    "warn_each",
+]
+
+#: What a rank's record in the store says it did: built its guard, entered one, failed, or left its
+#: failed state. The guard decides by it; the sentence shown for it (``phase_text``) is never parsed.
+GuardStatus = Literal["joined", "arrived", "failed", "recovered"]
+
+_SAID: dict[GuardStatus, str] = {"joined": "built its guard", "arrived": "entered guard of", "recovered": "recovered from"}
 
 #: A rank that waits at a guard longer than this publishes its arrival to the
 #: store, so that if some rank never comes, every rank that did can be told
@@ -46,13 +66,48 @@ class GuardStoreWarning(UserWarning):
         )
 
 
-def record(epoch: int, trigger: str, state: str, phase: str, *, step: str | None = None,
-           error: str | None = None) -> bytes:  # fmt: skip
-    """One rank's record in the store: where it is, or where it failed."""
-    body: dict[str, Any] = {"epoch": epoch, "trigger": trigger, "state": state, "phase": phase, "wall": time.time()}
-    if phase.startswith("failed"):
+def phase_text(status: GuardStatus, step: str | None = None) -> str:
+    """What peers are shown of a record (``LastSeen.phase``): ``failed in <the step, or guard> of``,
+    ``entered guard of``, ``recovered from`` or ``built its guard``."""
+    return f"failed in {step or 'guard'} of" if status == "failed" else _SAID[status]
+
+
+def record(epoch: int, trigger: str, state: str, status: GuardStatus, *, step: str | None = None,
+           error: str | None = None, phase: str | None = None) -> bytes:  # fmt: skip
+    """One rank's record in the store: where it is, or where it failed (the step, None: its guard, and
+    the exception's type). ``phase``: the words peers are shown for it, when not ``phase_text``'s."""
+    body: dict[str, Any] = {"epoch": epoch, "trigger": trigger, "state": state, "status": status, "wall": time.time()}
+    if phase is not None:
+        body["phase"] = phase
+    if status == "failed":
         body.update(step=step, error=error)
     return orjson.dumps(body)
+
+
+@dataclass(frozen=True, slots=True)
+class Sighting:
+    """A rank's record as read back from the store: its status, and what its peers are shown of it."""
+
+    status: GuardStatus
+    seen: LastSeen
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+    def body(self) -> dict[str, Any]:
+        """As ``read_record`` takes it back (a failure's report carries it to the other survivors)."""
+        return {**dataclasses.asdict(self.seen), "status": self.status}
+
+
+def read_record(body: dict[str, Any], *, rank: int | None = None) -> Sighting:
+    """``rank``'s ``record``, or a ``Sighting.body`` (which names its rank), parsed."""
+    status: GuardStatus = body.pop("status")  # our own records' field: one of GuardStatus's
+    phase = body.pop("phase", None)
+    if rank is not None:
+        body["rank"] = rank
+    seen = LastSeen(**body, phase=phase if phase is not None else phase_text(status, body.get("step")))
+    return Sighting(status, seen)
 
 
 def warn_each(kept: Sequence[GuardStoreWarning]) -> None:

@@ -89,7 +89,8 @@ def run_ranks_ray(
     addr = socket.gethostbyname(socket.gethostname()) if not started_ray else "127.0.0.1"
     store = dist.TCPStore(addr, 0, world + 1, is_master=True, wait_for_workers=False)
     actor_cls = ray.remote(num_cpus=1, max_restarts=0)(_Rank)
-    actors = [actor_cls.options(name=f"miles-fsm-rank-{r}-{os.getpid()}").remote() for r in range(world)]
+    # Any: ray types a started actor as ``ActorHandle[T] | type[T]``, through which no method call type-checks.
+    actors: list[Any] = [actor_cls.options(name=f"miles-fsm-rank-{r}-{os.getpid()}").remote() for r in range(world)]
     t0 = time.monotonic()
     refs = {
         a.run.remote(fn, r, world, addr, store.port, dict(kwargs or {}), pg_timeout_s or timeout_s): r

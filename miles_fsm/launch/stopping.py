@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 from miles_fsm.errors import MilesFsmError, list_ranks
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from miles_fsm.launch.local import RankContext
 
 __all__ = [
@@ -201,7 +203,7 @@ def stop_on_termination() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {}
+    previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def interrupted(signum: int, _frame: Any) -> None:
         for s, h in previous.items():  # a second signal is not held back by this one's cleanup

@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import orjson
 import structlog
@@ -58,7 +58,9 @@ def merge_host_context(logger: Any, name: str, event_dict: dict[str, Any]) -> di
                 break
         else:
             return event_dict
-    return structlog.contextvars.merge_contextvars(logger, name, event_dict)
+    merged = structlog.contextvars.merge_contextvars(logger, name, event_dict)
+    # structlog (>= 24.1) merges into the event_dict it is given and returns it: a dict still.
+    return cast("dict[str, Any]", merged)
 
 
 # structlog keeps the variables bind_contextvars made in this private dict; without
@@ -114,6 +116,7 @@ class Tracer:
         on_close: CloseHook | None = None, **meta: Any,
     ) -> None:  # fmt: skip
         self.run = run or new_run_id()
+        self._rank = rank
         self._on_close = on_close
         self.path = trace_path(trace_dir, rank)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +195,7 @@ class Tracer:
         if self._on_close is None:
             return
         try:
-            self._on_close(self.path, self._context["rank"])
+            self._on_close(self.path, self._rank)
         except Exception as exc:
             # The trace is whole either way; without its index replay reads its lines, only slower.
             warnings.warn(TraceIndexWarning(self.path, exc), stacklevel=2)
