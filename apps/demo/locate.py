@@ -63,8 +63,7 @@ def locate(exc: BaseException, *, rank: int, world: int, guard: Any, trainer: An
     timed_out = transport_failure(exc) == "timeout"
     start = time.monotonic()
     while True:
-        seen = guard.last_seen()
-        failed = {r: s for r, s in seen.items() if r != rank and s is not None and s.phase.startswith("failed")}
+        failed = {r: s for r, s in guard.failures().items() if r != rank}
         # A peer that published its failure and then exited reported; one gone without a word did not.
         dead = [r for r in range(world) if r != rank and r not in failed and not _alive(store, r)]
         if dead:

@@ -255,6 +255,10 @@ class Guard:
         """What the store last heard from each rank (None: nothing, or store unreachable)."""
         return {r: None if s is None else s.seen for r, s in self._sightings().items()}
 
+    def failures(self) -> dict[int, LastSeen]:
+        """The ranks whose last word in the store is that they failed, with what they said."""
+        return {r: s.seen for r, s in self._sightings().items() if s is not None and s.status == "failed"}
+
     def _sightings(self) -> dict[int, Sighting | None]:
         """``last_seen``, with what each rank's record says it did.
 
