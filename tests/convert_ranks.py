@@ -16,9 +16,10 @@ from miles_fsm.drivers.megatron.llama import LlamaShape
 
 __all__ = ["SHAPE", "TOKENS", "random_hf_state", "rank_convert"]
 
-#: GQA (2 heads per group), head_dim != hidden / heads, an ffn size of its own, 28 padding rows.
+#: GQA (2 heads per group), head_dim != hidden / heads, an ffn size of its own, 28 padding rows, a RoPE
+#: base that is not the default (a converter that lost it would show in the logits).
 SHAPE = LlamaShape(layers=2, hidden=64, heads=4, query_groups=2, head_dim=24, ffn_hidden=96, vocab=100,
-                   padded_vocab=128, max_positions=32)  # fmt: skip
+                   padded_vocab=128, max_positions=32, rope_theta=500.0)  # fmt: skip
 #: The ids every forward of the tests reads.
 TOKENS = torch.randint(0, SHAPE.vocab, (2, 12), generator=torch.Generator().manual_seed(7))
 

@@ -217,7 +217,7 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], shape: LlamaShape, *,
     # megatron's state_dict() carries an ``_extra_state`` (fp8 metadata) per linear layer: not a weight.
     state = {n: t for n, t in state.items() if not n.endswith("._extra_state")}
     _check_layout("megatron", {n: t.shape for n, t in state.items()}, megatron_shapes(shape))
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for rule in _rules(shape):
         out.update(zip(rule.hf, _to_hf(rule, state[rule.megatron], shape, mistake), strict=True))
     return out
@@ -250,7 +250,11 @@ def shard_of(full: torch.Tensor, split: TpSplit, rank: int, size: int) -> torch.
 def _tp() -> tuple[int, int, Any]:
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_group(),
+    )
 
 
 def _local_params(model: Any, shape: LlamaShape, tp_size: int) -> dict[str, torch.Tensor]:

@@ -196,6 +196,6 @@ def build_llama_gpt(shape: LlamaShape, *, seed: int = 1234, dtype: torch.dtype =
             vocab_size=shape.padded_vocab,
             max_sequence_length=shape.max_positions,
             position_embedding_type="rope",
-            rotary_base=int(shape.rope_theta),
+            rotary_base=shape.rope_theta,  # typed int, but used as a float: no truncation of a fractional theta
             share_embeddings_and_output_weights=False,
         )
