@@ -85,7 +85,20 @@ def rank_convert(ctx: Any) -> dict[str, Any]:
     out = {"tp2": _one_tp(2)}
     ps.destroy_model_parallel()
     out["tp1"] = _one_tp(1)
+    out["trainer"] = _trained_bf16()
     return _numpy(out)
+
+
+def _trained_bf16() -> dict[str, Any]:
+    """The driver's GPT in Llama shape (bf16, ``Float16Module``, DDP, distributed optimizer) after a train
+    step on each DP rank's own data: its HF weights, read through the wrappers."""
+    from miles_fsm.drivers.megatron.convert import iter_hf_weights
+    from miles_fsm.drivers.megatron.gpt import GptConfig, build_tiny_gpt, train_step
+
+    model = build_tiny_gpt(GptConfig(llama=SHAPE, vocab=SHAPE.vocab, seq=12, with_extras=False))
+    train_step(model, step=0)
+    hf = dict(iter_hf_weights(model.chunks[0], vocab=SHAPE.vocab))
+    return {"dtypes": sorted({str(t.dtype) for t in hf.values()}), "hf": {n: t.float() for n, t in hf.items()}}
 
 
 def _numpy(obj: Any) -> Any:

@@ -25,6 +25,7 @@ from miles_fsm.drivers.megatron.convert import (
     Mistake,
     TpSplit,
     gather_shards,
+    hf_shapes,
     hf_to_megatron,
     megatron_shapes,
     megatron_to_hf,
@@ -261,3 +262,16 @@ def test_hf_weights_loaded_into_megatron_give_hf_logits_and_read_back_bit_exact(
         back = r[tp]["loaded_back"]
         assert back.keys() == source.keys() and all(np.array_equal(back[n], source[n].numpy()) for n in source)
     assert r["tp2"]["local_qkv_rows"] * 2 == r["tp1"]["local_qkv_rows"]
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+def test_the_drivers_bf16_gpt_in_llama_shape_converts_through_its_wrappers():
+    """``build_tiny_gpt(GptConfig(llama=...))``, bf16 under ``Float16Module`` and DDP, after a train step
+    on each rank's own data: every HF weight comes out, in bf16, and the two DP ranks agree bit for bit."""
+    ranks = _ranks()
+    hf = [r["trainer"]["hf"] for r in ranks]
+    assert ranks[0]["trainer"]["dtypes"] == ["torch.bfloat16"]
+    assert {n: a.shape for n, a in hf[0].items()} == hf_shapes(SHAPE)
+    assert all(np.array_equal(hf[0][n], hf[1][n]) for n in hf[0])

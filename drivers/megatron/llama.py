@@ -77,6 +77,17 @@ class LlamaShape:
             "attention_dropout": 0.0,
         }
 
+    def gpt_kwargs(self) -> dict[str, Any]:
+        """The ``GPTModel`` keywords (besides ``config`` and the layer spec) that make a GPT of this shape."""
+        return {
+            "vocab_size": self.padded_vocab,
+            "max_sequence_length": self.max_positions,
+            "position_embedding_type": "rope",
+            # Typed int, but used as a float: no truncation of a fractional theta.
+            "rotary_base": self.rope_theta,
+            "share_embeddings_and_output_weights": False,
+        }
+
     def hf_config(self) -> dict[str, Any]:
         """The HF ``config.json`` of ``LlamaForCausalLM`` for this shape (what SGLang loads)."""
         return {
@@ -190,12 +201,5 @@ def build_llama_gpt(shape: LlamaShape, *, seed: int = 1234, dtype: torch.dtype =
             bf16=dtype is torch.bfloat16,
             init_method_std=init_std,
         )
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=shape.padded_vocab,
-            max_sequence_length=shape.max_positions,
-            position_embedding_type="rope",
-            rotary_base=shape.rope_theta,  # typed int, but used as a float: no truncation of a fractional theta
-            share_embeddings_and_output_weights=False,
-        )
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        return GPTModel(config=config, transformer_layer_spec=spec, **shape.gpt_kwargs())
