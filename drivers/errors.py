@@ -1,4 +1,4 @@
-"""The bindings' failures: engines, host copies, megatron's buffers, device memory, model structure.
+"""The bindings' failures: engines, host copies, megatron's buffers, device memory, model structure, weight conversion.
 
 Each class is a ``MilesFsmError``: its facts are fields that traces record
 and that pickle (see ``miles_fsm.errors``).
@@ -19,9 +19,11 @@ __all__ = [
     "HostCopyMissingError",
     "IneligibleModelError",
     "MissingDependencyError",
+    "NotLlamaShapedError",
     "ResumeMemoryError",
     "UnsupportedVersionError",
     "WeightChecksumError",
+    "WeightLayoutError",
 ]
 
 
@@ -207,4 +209,42 @@ class WeightChecksumError(MilesFsmError, RuntimeError):
             f"engine {engine}: after the push, its weight checksums disagree with {against}; "
             f"{'; '.join(parts)}. The push did not land as sent: push again before generating, and if it "
             "repeats, check the weight names and layout the trainer sends."
+        )
+
+
+class NotLlamaShapedError(MilesFsmError, ValueError):
+    """A GPT the Megatron <-> HF Llama converter cannot convert: its structure is not Llama's."""
+
+    def __init__(self, *, problems: Sequence[str], source: str) -> None:
+        self.problems = tuple(problems)
+        self.source = source
+        listed = "\n  - ".join(self.problems)
+        super().__init__(
+            f"{source} is not a Llama-shaped GPT, so its weights do not convert to LlamaForCausalLM:\n  - {listed}\n"
+            "The converter maps a local-spec GPT with RMSNorm, SwiGLU, GQA, rotate-half RoPE, untied "
+            "embeddings and no biases (miles_fsm.drivers.megatron.llama.LlamaShape.megatron_kwargs()); "
+            "build the model that way, or convert it with a converter written for its architecture."
+        )
+
+
+class WeightLayoutError(MilesFsmError, ValueError):
+    """A state dict's names or shapes are not the ones the converter expects for the model's shape."""
+
+    def __init__(self, *, side: str, unknown: Sequence[str], missing: Sequence[str],
+                 mismatched: Sequence[str]) -> None:  # fmt: skip
+        self.side = side
+        self.unknown = tuple(unknown)
+        self.missing = tuple(missing)
+        self.mismatched = tuple(mismatched)
+        parts = []
+        if self.unknown:
+            parts.append(f"{len(self.unknown)} name(s) it does not know: [{list_names(self.unknown)}]")
+        if self.missing:
+            parts.append(f"{len(self.missing)} missing: [{list_names(self.missing)}]")
+        if self.mismatched:
+            parts.append(f"{len(self.mismatched)} of the wrong shape: [{list_names(self.mismatched)}]")
+        super().__init__(
+            f"the {side} weights do not have the Llama layout the converter expects: {'; '.join(parts)}. "
+            "Nothing was converted. Check that the LlamaShape matches the model (layers, heads, query "
+            "groups, head_dim, ffn size, vocab) and that the names are a bare GPTModel's (or HF Llama's)."
         )

@@ -62,6 +62,8 @@ SAMPLES = [
     driver_errors.BufferRoutingError(buffer="param_data", expected=["param_buffer"], detail="not routed"),
     driver_errors.ResumeMemoryError(owner="tms", tag="default", needed=10, free=1),
     driver_errors.WeightChecksumError(engine="e0", against="the pushed tensors", mismatched=["w"], missing=["b"]),
+    driver_errors.NotLlamaShapedError(problems=["its embeddings are tied"], source="GPTModel"),
+    driver_errors.WeightLayoutError(side="HF", unknown=["x"], missing=["lm_head.weight"], mismatched=["w (2,) != (3,)"]),
     app_errors.FaultLocatedError(rank=0, culprits=[1], evidence="its pid is gone", cause="PeerLostError"),
     app_errors.TraceDirUnusableError(path="/ro/traces", reason="Read-only file system"),
     launch.LauncherLostError(rank=1, launcher_pid=4242),

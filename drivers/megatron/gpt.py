@@ -26,6 +26,7 @@ import torch.distributed as dist
 from miles_fsm.drivers.megatron.buffers import ddp_buffers_in_tags
 from miles_fsm.drivers.megatron.config import MegatronDriverConfig
 from miles_fsm.drivers.megatron.driver import MegatronTrainer
+from miles_fsm.drivers.megatron.llama import LlamaShape
 from miles_fsm.drivers.megatron.optimizer import OPTIMIZER_TAG, coalesce_optimizer_state
 from miles_fsm.errors import ConfigError
 from miles_fsm.plan import Collective
@@ -53,6 +54,9 @@ class GptConfig:
     with_extras: bool = True
     #: None: one bucket per buffer, no overlapped grad reduce.
     bucket_size: int | None = None
+    #: A Llama shape (``drivers/megatron/llama.py``) instead of ``layers``/``hidden``/``heads``/``vocab``:
+    #: the GPT the HF converter maps (set ``with_extras=False``; ``vocab`` still bounds the token ids).
+    llama: LlamaShape | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,29 +102,27 @@ def build_tiny_gpt(config: GptConfig | None = None, *, saver: Any = None) -> Tin
             parallel_state.initialize_model_parallel(1, 1)
         torch.manual_seed(cfg.seed)
         model_parallel_cuda_manual_seed(cfg.seed)
+        shape = {"num_layers": cfg.layers, "hidden_size": cfg.hidden, "num_attention_heads": cfg.heads,
+                 "hidden_dropout": 0.0, "attention_dropout": 0.0}  # fmt: skip
         tconfig = TransformerConfig(
-            num_layers=cfg.layers,
-            hidden_size=cfg.hidden,
-            num_attention_heads=cfg.heads,
+            **(cfg.llama.megatron_kwargs() if cfg.llama else shape),
             use_cpu_initialization=True,
             bf16=True,
             params_dtype=torch.bfloat16,
             pipeline_dtype=torch.bfloat16,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
         )
-        gpt = GPTModel(
-            config=tconfig,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=cfg.vocab,
-            max_sequence_length=cfg.seq,
-        )
+        if cfg.llama:
+            spec, model_kwargs = get_gpt_layer_local_spec(normalization="RMSNorm"), cfg.llama.gpt_kwargs()
+        else:
+            spec, model_kwargs = get_gpt_layer_local_spec(), {"vocab_size": cfg.vocab, "max_sequence_length": cfg.seq}
+        gpt = GPTModel(config=tconfig, transformer_layer_spec=spec, **model_kwargs)
         model = Float16Module(tconfig, gpt)
         if cfg.with_extras:
             # Added after the bf16 cast, so they stay fp32 like a router's bias.
             norm = gpt.decoder.final_layernorm
-            norm.register_parameter("extra_scale", torch.nn.Parameter(torch.zeros(cfg.hidden, dtype=torch.float32)))
-            norm.register_buffer("expert_bias", torch.zeros(cfg.hidden, dtype=torch.float32))
+            hidden = tconfig.hidden_size
+            norm.register_parameter("extra_scale", torch.nn.Parameter(torch.zeros(hidden, dtype=torch.float32)))
+            norm.register_buffer("expert_bias", torch.zeros(hidden, dtype=torch.float32))
             norm.register_forward_hook(_extras_hook)
         for name, p in model.named_parameters():
             if any(f in name for f in cfg.frozen):

@@ -31,7 +31,7 @@ imports none of them: the engine never imports a layer above it):
   ``UnsupportedVersionError``, ``CudaAvailableError``, ``EngineRequestError``,
   ``EngineSessionError``, ``EngineUpdateError``, ``HostCopyMissingError``,
   ``BufferRoutingError``, ``ResumeMemoryError``, ``MissingDependencyError``,
-  ``WeightChecksumError``;
+  ``WeightChecksumError``, ``NotLlamaShapedError``, ``WeightLayoutError``;
 - the launchers', in ``miles_fsm.launch.stopping`` (also importable from
   ``miles_fsm.launch`` and ``miles_fsm.launch.local``): ``LauncherLostError``,
   ``RankStoppedError`` (and ``LaunchInterrupted``, a ``KeyboardInterrupt`` on
