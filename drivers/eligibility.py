@@ -100,6 +100,10 @@ class Eligibility:
             raise IneligibleModelError(self.names, self.reason, [o.suggestion for o in self.outside])
 
 
+def _member_of(ids: Set[int]) -> Callable[[torch.Tensor], bool]:
+    return lambda p: id(p) in ids
+
+
 def rematerialize_eligibility(
     module: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
     *,
@@ -115,12 +119,9 @@ def rematerialize_eligibility(
     every rank with the same model gets the same answer.
     """
     named = list(module.named_parameters() if isinstance(module, torch.nn.Module) else module)
-    held = in_buffers.__contains__ if isinstance(in_buffers, Set) else None
+    inside = _member_of(in_buffers) if isinstance(in_buffers, Set) else in_buffers
     wanted = set(extras)
-    outside = [
-        (name, p) for name, p in named
-        if name not in wanted and not (held(id(p)) if held is not None else in_buffers(p))
-    ]  # fmt: skip
+    outside = [(name, p) for name, p in named if name not in wanted and not inside(p)]
     names = [n for n, _ in named]
     out_names = [n for n, _ in outside]
     # A misnamed extra was most likely meant for a param that is now refused; look there first.

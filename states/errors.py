@@ -6,7 +6,7 @@ and that pickle (see ``miles_fsm.errors``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from miles_fsm.errors import MilesFsmError, list_names
 
@@ -58,7 +58,7 @@ class TensorSetChangedError(VerificationError):
 class MemoryTagError(MilesFsmError, RuntimeError):
     """A pause of a paused tag, or a resume of an active one, was refused."""
 
-    def __init__(self, *, side: str, tag: str, op: str, paused: Sequence[str]) -> None:
+    def __init__(self, *, side: str, tag: str, op: str, paused: Collection[str]) -> None:
         self.side = side
         self.tag = tag
         self.op = op

@@ -169,10 +169,11 @@ class Lifecycle:
         if sink is not None:
             sink.emit(TRACE_OPENED, epoch=0, state=None, trigger=None, run=run_id, rank=rank, world=world, **meta)
             return sink
-        if self._config.trace_dir is None:
+        trace_dir = self._trace_dir
+        if trace_dir is None:
             return NullTracer()
         # The index beside a closed trace: replay reads it instead of the lines while the file is unchanged.
-        return Tracer(self._trace_dir, rank=rank, world=world, run=run_id, on_close=write_index, **meta)
+        return Tracer(trace_dir, rank=rank, world=world, run=run_id, on_close=write_index, **meta)
 
     @property
     def _trace_dir(self) -> Path | None:

@@ -22,7 +22,7 @@ Two checks keep the cache from hiding a per-rank change, the seed's bug:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from miles_fsm.plan import Intent
 from miles_fsm.states.definition import Side, Step, StepKind
@@ -31,7 +31,7 @@ from miles_fsm.states.errors import StructureVersionError
 if TYPE_CHECKING:
     from miles_fsm.guard.consensus import Guard
     from miles_fsm.plan import Collective, TensorSet
-    from miles_fsm.states.protocols import TrainerDriver
+    from miles_fsm.states.protocols import TrainerDriver, VersionedTrainer
 
 __all__ = ["Intents", "TensorSetCache", "engine_side", "shared", "trusted_version"]
 
@@ -69,7 +69,8 @@ class TensorSetCache:
         """The tensor set; ``check`` walks it even for an unchanged version and compares."""
         if not self.versioned:
             return self._walk()
-        version = self._trainer.structure_version  # type: ignore[attr-defined]
+        # ``versioned``: trusted_version found the attribute, so the trainer is a VersionedTrainer.
+        version = cast("VersionedTrainer", self._trainer).structure_version
         if version is None:  # the driver does not know now: walk, and forget the cache
             self._version, self._set = _NEVER, None
             return self._walk()

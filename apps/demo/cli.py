@@ -117,11 +117,12 @@ def _run(args: argparse.Namespace) -> int:
             f"partial traces in {config.trace_dir}",
             markup=False,
         )
-        return 128 + signum
+        return 128 + int(signum)
     print_result(result, out)
     return result.exit_code
 
 
 def _usage_error(args: argparse.Namespace, message: str) -> NoReturn:
     """One line on stderr and exit 2, before any process starts (the parser's own one-line error)."""
-    args._parser.error(message)
+    parser: argparse.ArgumentParser = args._parser
+    parser.error(message)

@@ -10,6 +10,7 @@ Fault injection stays with the reference trainer (``config.problems()`` says so)
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from miles_fsm.apps.demo.timing import PhaseTimer
@@ -48,12 +49,12 @@ def megatron_rank_main(ctx: RankContext) -> dict[str, Any]:
         param_bytes = sum(t.numel() * t.element_size() for t in trainer.tensors().values())
         for step in range(1, kw["steps"] + 1):
             for trigger in lc.definition.path(State.TRAINING, State.PAUSED) or ():
-                timed(trigger.value, lambda t=trigger: lc.fire(t))
+                timed(trigger.value, partial(lc.fire, trigger))
             held = {"actor": trainer.host_bytes("actor"), "ref": trainer.host_bytes("ref"),
                     "saver_backups": saver.host_bytes(),
                     "bf16_params": param_bytes}  # fmt: skip
             for trigger in lc.definition.path(State.PAUSED, State.TRAINING) or ():
-                timed(trigger.value, lambda t=trigger: lc.fire(t))
+                timed(trigger.value, partial(lc.fire, trigger))
             verified.append(lc.epoch)
 
             def train(step: int = step) -> float:

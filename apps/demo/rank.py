@@ -15,6 +15,7 @@ collectives.
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,7 @@ class _DemoRank:
         rollouts = timed("generate", lambda: self.engine.generate(prompts, max_new_tokens=kw["new_tokens"]))
         for trig in self.wake:  # PAUSED back to TRAINING, in the table's order
             self.where = trig.value
-            timed(trig.value, lambda t=trig: lc.fire(t))
+            timed(trig.value, partial(lc.fire, trig))
         self.verified.append(lc.epoch)
         self.where = "train"
         loss = timed("train", lambda: guarded_train(lc, trainer, rollouts, kw["prompt_len"]))

@@ -111,18 +111,15 @@ def blame(
                 how = f"died without reporting ({_exit_text(o.exitcode)})"
                 died.append(o.rank)
             lines.append(f"rank {o.rank}: {how}; its trace ends with {trace_end(traces.get(o.rank))}")
-    from_traces = replay is not None and replay.culprit is not None and bool(replay.culprit["ranks"])
-    undecided = replay is not None and replay.culprit is not None and not replay.culprit["decided"]
+    culprit = replay.culprit if replay is not None else None
     if died:
         culprits = tuple(died)
     elif named:
         top = max(named.values())
         culprits = tuple(sorted(r for r, n in named.items() if n == top))
-    elif from_traces:
-        culprits = tuple(replay.culprit["ranks"])
-        lines.append(f"from the traces: {replay.verdict}: {replay.headline}")
-    elif undecided:  # the traces cannot tell the suspects apart: a guess is no culprit
-        culprits = ()
+    elif replay is not None and culprit is not None and (culprit["ranks"] or not culprit["decided"]):
+        # Undecided: the traces cannot tell the suspects apart, and a guess is no culprit.
+        culprits = tuple(culprit["ranks"])
         lines.append(f"from the traces: {replay.verdict}: {replay.headline}")
     else:
         culprits = tuple(o.rank for o in outcomes if o.error is not None)
@@ -160,10 +157,11 @@ def _exit_text(code: int | None) -> str:
 def _human(n: int | None) -> str:
     if n is None:
         return "-"
+    x = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        if abs(x) < 1024 or unit == "GiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -174,9 +172,9 @@ def print_result(result: DemoResult, out: Any) -> None:
     c = result.config
     if result.ok:
         table = Table(title=f"miles-fsm demo: {c.ranks} ranks x {c.steps} steps, {c.mode.value}, every cycle verified")
-        for col, justify in (("phase", "left"), ("n", "right"), ("median", "right"), ("bytes moved", "right"),
-                             ("peak device", "right"), ("host held", "right")):
-            table.add_column(col, justify=justify)
+        table.add_column("phase", justify="left")
+        for col in ("n", "median", "bytes moved", "peak device", "host held"):
+            table.add_column(col, justify="right")
         for row in result.summary():
             table.add_row(
                 row["name"], str(row["count"]), f"{row['median_s'] * 1e3:.2f} ms", _human(row["bytes_moved"]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,20 +46,21 @@ def run_demo(config: DemoConfig, *, out: Any = None) -> DemoResult:
     if watcher is not None:
         watcher.start()
     fn = megatron_rank_main if config.trainer == "megatron" else rank_main
-    launch = run_ranks
-    if config.launcher == "ray":
-        from miles_fsm.launch.ray_actors import run_ranks_ray as launch  # type: ignore[assignment]
+    common: dict[str, Any] = {
+        "timeout_s": config.run_timeout_s,
+        "kwargs": {**config.to_kwargs(), "run_id": run},
+        "pg_timeout_s": config.pg_timeout_s,
+        "linger_s": config.linger_s,
+    }
+    outcomes: Sequence[Any]
     try:
-        outcomes = launch(
-            fn,
-            config.ranks,
-            timeout_s=config.run_timeout_s,
-            kwargs={**config.to_kwargs(), "run_id": run},
-            pg_timeout_s=config.pg_timeout_s,
-            linger_s=config.linger_s,
+        if config.launcher == "ray":
+            from miles_fsm.launch.ray_actors import run_ranks_ray
+
+            outcomes = run_ranks_ray(fn, config.ranks, **common)
+        else:
             # The Flight Recorder on in every rank: its dumps beside the traces explain a hang.
-            **({"env": {FR_ENV: str(DEFAULT_BUFFER)}} if config.launcher == "local" else {}),
-        )
+            outcomes = run_ranks(fn, config.ranks, env={FR_ENV: str(DEFAULT_BUFFER)}, **common)
     finally:
         if watcher is not None:
             watcher.stop()

@@ -30,7 +30,7 @@ class DemoTrainer(ReferenceTrainer):
         return self.params[DIVERGE_PARAM].numel() if self.armed == "diverge" else 0
 
     @property
-    def structure_version(self) -> tuple[int, str | None]:
+    def structure_version(self) -> tuple[object, str | None]:
         # ``diverge`` changes the tensor set: the planning cache must see it move.
         return (super().structure_version, self.armed)
 

@@ -41,6 +41,7 @@ import os
 import re
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
@@ -164,12 +165,18 @@ class _CudaToCpu(TorchFunctionMode):
 
 
 def _apply() -> None:
-    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
+    # These replace torch's functions with ones of other signatures, on purpose (test-only patches), so
+    # they go through setattr rather than assignments a type checker would refuse.
+    patches: dict[str, Callable[..., Any]] = {
+        "current_device": lambda: _CPU,
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
+    }
+    for name, fn in patches.items():
+        setattr(torch.cuda, name, fn)
     _CudaToCpu().__enter__()  # never exited: the mode stays for the process's life
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
-    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)  # type: ignore[assignment]
-    torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
-    torch.cuda.manual_seed_all = lambda seed: None  # type: ignore[assignment]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron warns at import that Apex/TransformerEngine are absent
         from megatron.core.tensor_parallel import random as mrandom

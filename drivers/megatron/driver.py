@@ -223,7 +223,7 @@ class MegatronTrainer:
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """Every param and buffer of the actor, live (verification hashes these)."""
-        out = dict(self._named_params())
+        out: dict[str, torch.Tensor] = dict(self._named_params())
         out.update(self._named_buffers())
         return out
 

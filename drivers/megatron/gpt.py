@@ -144,7 +144,8 @@ def build_tiny_gpt(config: GptConfig | None = None, *, saver: Any = None) -> Tin
 
 
 def _extras_hook(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-    scale = (module.extra_scale + module.expert_bias).to(output.dtype)
+    extra, bias = module.get_parameter("extra_scale"), module.get_buffer("expert_bias")
+    scale = (extra + bias).to(output.dtype)
     return output * (1 + scale)
 
 

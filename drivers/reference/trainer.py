@@ -262,7 +262,7 @@ class ReferenceTrainer:
         return TensorSet.of(self._weight_views().items())
 
     @property
-    def structure_version(self) -> int:
+    def structure_version(self) -> object:
         """Changes whenever ``tensor_set()`` would: never, here, as the layout is the config's.
 
         A subclass that changes its tensor set (the demo's ``diverge``) defines its own.

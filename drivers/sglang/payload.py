@@ -10,6 +10,7 @@ serialization, not about either transport. torch is imported on first use.
 from __future__ import annotations
 
 import base64
+import importlib
 import io
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,7 +39,8 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]], load_form
     ``multiprocessing.resource_sharer``/``reduction``, SGLang's own modules,
     builtins...), so only tensors, names and SGLang's bucket metadata go in.
     """
-    import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+    # Importing it registers torch's reductions with ForkingPickler, which the payload is pickled by.
+    importlib.import_module("torch.multiprocessing")
 
     payload: Any
     if load_format == "flattened_bucket":

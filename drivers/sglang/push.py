@@ -14,13 +14,14 @@ import socket
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from miles_fsm.drivers.sglang.config import DistributedConfig, SGLangConfig
 from miles_fsm.drivers.sglang.protocol import SGLangTransport
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = ["UpdateState", "push_distributed", "push_tensors", "set_versions", "wait_all"]
 
@@ -152,9 +153,10 @@ def wait_all(state: UpdateState, op: str, futures: Mapping[SGLangTransport | Non
     while pending:
         done, pending = wait(pending, return_when=FIRST_EXCEPTION)
         for t, fut in futures.items():
-            if fut in done and fut.exception() is not None:
+            error = fut.exception() if fut in done else None
+            if error is not None:
                 state.at(t, op if t is not None else f"{op} (trainer side)")
-                raise fut.exception()  # type: ignore[misc]
+                raise error
 
 
 def _broadcast(bucket: Sequence[tuple[str, torch.Tensor]], group: Any) -> None:
@@ -185,7 +187,7 @@ def _trainer_group(cfg: DistributedConfig, name: str, port: int, world: int) -> 
     store.set_timeout(timeout)
     store = PrefixStore(name, store)
     pg, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(cfg.backend), store, group_name=name, timeout=timeout
+        world_size, rank, [], Backend(cfg.backend), store, group_name=cast("GroupName", name), timeout=timeout
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
