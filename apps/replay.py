@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--straggler-ratio", type=float, default=1.5, help="flag a rank this many times the median (default 1.5)"
     )
-    p.set_defaults(run=_run)
+    p.set_defaults(run=_run, usage_error=p.error)
 
 
 def _parse_ranks(text: str) -> list[int]:
@@ -110,10 +110,10 @@ def _run_dumps_only(args: argparse.Namespace) -> int:
     """No trace directory: the Flight Recorder dumps alone (``miles_fsm.replay.fr_only``)."""
     trace_only = [flag for flag, value in (("--rank", args.rank), ("--epoch", args.epoch), ("--run", args.run_id))
                   if value is not None]  # fmt: skip
-    if args.flight_recorder is None or trace_only:
-        why = f"{', '.join(trace_only)} select(s) traces" if trace_only else "nothing to read"
-        sys.stderr.write(f"miles-fsm replay: {why}: give the trace directory DIR, or --flight-recorder FRDIR alone\n")
-        return EXIT_BAD_INPUT
+    if trace_only:
+        args.usage_error(f"{', '.join(trace_only)} select(s) traces: give the trace directory dir")
+    if args.flight_recorder is None:
+        args.usage_error("the following arguments are required: dir (or --flight-recorder FRDIR alone)")
     from miles_fsm.replay.fr_only import collectives, replay_dumps
 
     try:

@@ -55,8 +55,8 @@ class FlightRecorderError(MilesFsmError, ValueError):
     def __init__(self, *, path: str, reason: str) -> None:
         self.path = path
         self.reason = reason
-        super().__init__(f"cannot read the Flight Recorder dump {path}: {reason}. "
-                         "Pass the folder of fr-rank-<r>.json files the run wrote.")  # fmt: skip
+        super().__init__(f"cannot read the Flight Recorder dump {path}: {reason}. Pass the folder of the dumps "
+                         "the run wrote (fr-rank-<r>.json, or torch's own <prefix><rank>)")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

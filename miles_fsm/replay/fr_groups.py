@@ -69,8 +69,9 @@ class GroupVerdict:
 
     @property
     def label(self) -> str:
-        return self.desc if self.desc in ("", "undefined") or self.name == self.desc else \
-            f"{self.desc} (pg {self.name})"  # fmt: skip
+        if self.desc in ("", "undefined"):  # torch's desc for a group made without group_desc
+            return f"pg {self.name}"
+        return self.desc if self.name == self.desc else f"{self.desc} (pg {self.name})"
 
     @property
     def line(self) -> str:

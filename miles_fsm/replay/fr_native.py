@@ -11,8 +11,9 @@ lists, tuples, strings and numbers. Anything else is refused before it runs.
 gloo's dumps name no group in ``pg_config`` (one entry keyed ``''``, with
 ranks ``'[]'``), which stops torch's own analyzer with ``KeyError``.
 ``normalise`` fills it in from what the dumps do say: a group's members are
-the ranks whose dump lists it (in ``pg_status`` or an entry), the default
-group's every rank. Nothing here imports torch.
+the ranks with an entry of it, the default group's every rank. A member
+that issued nothing on a group (or whose entries of it left the ring
+buffer) cannot be seen in gloo's dumps. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def load_dump(path: Path | str) -> dict[str, Any]:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
         # What a cut-off or foreign file makes the unpickler raise; the file is named, the job can go on.
-        why = "it ends early (truncated)" if isinstance(exc, EOFError) else f"not a pickle ({type(exc).__name__})"
+        cut = isinstance(exc, EOFError) or "truncated" in str(exc)
+        why = "it ends early (truncated)" if cut else f"not a pickle ({type(exc).__name__})"
         raise fr.FlightRecorderError(path=p, reason=f"{why}: {str(exc)[:80] or 'no detail'}") from None
     return checked(doc, p)
 
@@ -183,8 +185,9 @@ def normalise(dumps: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any
     """Copies of ``dumps`` whose ``pg_config`` names every group the entries use, as torch's analyzer needs.
 
     A group the dump's own ``pg_config`` describes (NCCL's) keeps that description. The others (all of
-    gloo's) get as members the ranks whose dump lists the group, in its ``pg_status`` or an entry; the
-    default group (``default_pg``) every rank up to the highest dumped one.
+    gloo's) get as members the ranks with an entry of the group in their dump (``pg_status`` is keyed by a
+    process-local id, not the group's name, so it cannot say); the default group (``default_pg``) every rank
+    up to the highest dumped one.
     """
     world = list(range(max(dumps, default=-1) + 1))
     members: dict[str, set[int]] = {}
@@ -194,8 +197,6 @@ def normalise(dumps: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any
             name, desc = str(e["process_group"][0]), str(e["process_group"][1])
             members.setdefault(name, set()).add(rank)
             descs.setdefault(name, desc)
-        for name in d.get("pg_status") or {}:
-            members.setdefault(str(name), set()).add(rank)
     out = {}
     for rank, d in dumps.items():
         own = {str(k): v for k, v in d["pg_config"].items() if k and isinstance(v, dict) and v.get("ranks") != "[]"}

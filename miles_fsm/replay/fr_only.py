@@ -131,7 +131,7 @@ def replay_dumps(folder: str | Path, *, prefix: str | None = None) -> FrOnlyRepl
 
 
 def _in_flight(dumps: dict[int, fr.RankDump]) -> tuple[RankCollective, ...]:
-    out = []
+    out: list[RankCollective] = []
     for rank, d in sorted(dumps.items()):
         newest = {e.pg: e for e in d.entries}
         out.extend(RankCollective(rank, e, "(no trace)", None, None) for e in newest.values())
