@@ -117,15 +117,24 @@ def checked(doc: Any, path: str) -> dict[str, Any]:
 
 
 def dump_files(directory: Path | str, prefix: str | None = None) -> tuple[str, dict[int, Path]]:
-    """``(prefix, {rank: path})`` of the ``<prefix><rank>`` files under ``directory`` (searched recursively).
+    """``(prefix, {rank: path})`` of the ``<prefix><rank>`` files in ``directory``.
 
+    The folder's own files; when none is a dump, those of its subfolders (one per host, say).
     With no ``prefix``: torch's default when such files exist, else the one common prefix of the files
     whose names end in a number, inferred by torch's own rule (``fr_trace --prefix`` not given).
     """
     d = Path(directory)
     if not d.is_dir():
         raise fr.FlightRecorderError(path=str(d), reason="not a directory")
-    files = sorted(p for p in d.rglob("*") if p.is_file())
+    found: tuple[str, dict[int, Path]] = (prefix or DEFAULT_PREFIX, {})
+    for files in (sorted(p for p in d.iterdir() if p.is_file()), sorted(p for p in d.rglob("*") if p.is_file())):
+        found = _match(files, prefix, d)
+        if found[1]:
+            break
+    return found
+
+
+def _match(files: list[Path], prefix: str | None, d: Path) -> tuple[str, dict[int, Path]]:
     if prefix is None:
         prefix = DEFAULT_PREFIX if any(_rank_of(p.name, DEFAULT_PREFIX) is not None for p in files) else \
             _infer_prefix([p.name for p in files if re.search(r"\d$", p.name)], str(d))  # fmt: skip
