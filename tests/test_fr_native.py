@@ -160,7 +160,7 @@ def _replay(capsys, *argv: str) -> tuple[int, dict, str]:
 
 
 @pytest.fixture(scope="session")
-def compared(dumps, tmp_path_factory):
+def compared(dumps):
     """torchfrtrace on the lifecycle's normalised copy, and replay on the raw dumps, of the hung run."""
     return _torch_verdicts(_torchfrtrace(dumps / "hung-lifecycle")), dumps
 
@@ -193,8 +193,7 @@ def test_replay_agrees_with_torchfrtrace(group, compared, capsys):
     rest = members - odd
     expect = sorted(odd if len(odd) < len(rest) else rest) if len(odd) != len(rest) else None
     assert expect == (list(blamed) if blamed else None)
-    mine = {"culprits": set(replay["culprits"]) | set(replay["missing"])}
-    assert mine["culprits"] in (odd, rest)  # replay's own torch run, from its own reference rank
+    assert set(replay["culprits"]) | set(replay["missing"]) in (odd, rest)  # replay's torch run, its own reference
 
 
 @pytest.mark.slow
@@ -219,6 +218,18 @@ def test_healthy_dumps_exit_0_and_torch_agrees(dumps, capsys):
     assert code == 0 and doc["verdict"] == "ok" and not doc["flight_recorder"]["mismatch"]
     assert [(g["desc"], g["members"]) for g in doc["flight_recorder"]["groups"]] == [("default_pg", [0, 1, 2]),
                                                                                      ("side", [0, 1])]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_lifecycle_json_dumps_alone_read_the_same(dumps, tmp_path, capsys):
+    """A folder of the lifecycle's fr-rank-<r>.json only (their ``fr`` is torch's dump): the same verdicts."""
+    for path in (dumps / "hung-lifecycle").glob("fr-rank-*.json"):
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    _, raw, _ = _replay(capsys, "--flight-recorder", str(dumps / "hung"))
+    code, doc, _ = _replay(capsys, "--flight-recorder", str(tmp_path))
+    assert code == 3 and doc["flight_recorder"]["prefix"] == "fr-rank-"
+    assert [(g["desc"], g["kind"], g["culprits"], g["missing"]) for g in doc["flight_recorder"]["groups"]] == [
+        (g["desc"], g["kind"], g["culprits"], g["missing"]) for g in raw["flight_recorder"]["groups"]]
 
 
 @pytest.mark.slow

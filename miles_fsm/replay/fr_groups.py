@@ -177,8 +177,6 @@ def _undecided(c: Any, dumps: Mapping[int, Any]) -> bool:
 
 def _torch_db(dumps: Mapping[int, Mapping[str, Any]], where: str) -> Any:
     """torch's ``build_db`` on the dumps, its own log lines silenced (replay reports what it returns)."""
-    from torch.distributed.flight_recorder.components.builder import build_db
-
     details = {str(r): {"host_name": f"host_rank{r}", "rank": r, "entries": copy.deepcopy(d["entries"]),
                         "version": d["version"], "pg_config": d["pg_config"]}
                for r, d in sorted(dumps.items())}  # fmt: skip
@@ -186,8 +184,10 @@ def _torch_db(dumps: Mapping[int, Mapping[str, Any]], where: str) -> Any:
     version = str(next(iter(details.values()))["version"]) if details else ""
     log = logging.getLogger("Flight Recorder")
     was = log.disabled
-    log.disabled = True
+    log.disabled = True  # before the import too: without tabulate, torch's builder warns as it is imported
     try:
+        from torch.distributed.flight_recorder.components.builder import build_db
+
         return build_db(details, args, version)
     except (AssertionError, KeyError, ValueError, TypeError, IndexError) as exc:
         # torch's analyzer asserts on what it cannot align; the dumps, not replay, are what it objects to.
