@@ -14,7 +14,7 @@ import orjson
 from miles_fsm.flight_recorder import FlightRecorderError
 from miles_fsm.replay.checks import MAX_RANKS
 from miles_fsm.replay.model import EpochRange, TraceDirError
-from miles_fsm.replay.perfetto import OutputPathError
+from miles_fsm.replay.perfetto import OutputPathError, check_output, export_perfetto
 from miles_fsm.replay.report import EXIT_BAD_INPUT, render, replay
 
 __all__ = ["add_parser"]
@@ -28,13 +28,17 @@ def add_parser(sub: Any) -> None:
         "who is stuck or crashed and in what, what failed verification, and who straggles. "
         "Exit 0: healthy; 3: a problem was diagnosed; 2: bad input.",
     )
-    p.add_argument("dir", help="the trace directory (the --trace-dir of the run)")
+    p.add_argument("dir", nargs="?", help="the trace directory (the --trace-dir of the run); leave it out to read "
+                   "only the --flight-recorder dumps of a job without lifecycle traces")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument(
         "--flight-recorder", metavar="FRDIR",
-        help="a folder of fr-rank-<r>.json Flight Recorder dumps (default: those beside the traces): says which "
-        "collective each rank was in, and in which step it was issued",
+        help="a folder of Flight Recorder dumps: torch's own (<prefix><rank>, e.g. nccl_trace_rank_0) or the "
+        "lifecycle's fr-rank-<r>.json (default: those beside the traces). Says what torchfrtrace says of each "
+        "process group, which collective each rank was in, and, with traces, in which step it was issued",
     )
+    p.add_argument("--fr-prefix", metavar="PREFIX", help="the dumps' file name prefix (default: nccl_trace_rank_ "
+                   "when present, else inferred as torchfrtrace does)")
     p.add_argument("--perfetto", metavar="OUT.json", help="also write a Chrome/Perfetto timeline to OUT.json")
     p.add_argument(
         "--rank",
@@ -49,7 +53,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--straggler-ratio", type=float, default=1.5, help="flag a rank this many times the median (default 1.5)"
     )
-    p.set_defaults(run=_run)
+    p.set_defaults(run=_run, usage_error=p.error)
 
 
 def _parse_ranks(text: str) -> list[int]:
@@ -74,6 +78,8 @@ def _parse_epochs(text: str) -> EpochRange:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.dir is None:
+        return _run_dumps_only(args)
     ranks = None if args.rank is None else [r for group in args.rank for r in group]
     try:
         diagnosis = replay(
@@ -85,6 +91,7 @@ def _run(args: argparse.Namespace) -> int:
             perfetto=args.perfetto,
             run=args.run_id,
             flight_recorder=args.flight_recorder,
+            fr_prefix=args.fr_prefix,
         )
     except (TraceDirError, OutputPathError, FlightRecorderError) as exc:
         sys.stderr.write(f"miles-fsm replay: {exc}\n")
@@ -97,3 +104,32 @@ def _run(args: argparse.Namespace) -> int:
     if args.perfetto:
         sys.stderr.write(f"wrote the Perfetto timeline to {args.perfetto} (open it at https://ui.perfetto.dev)\n")
     return diagnosis.exit_code
+
+
+def _run_dumps_only(args: argparse.Namespace) -> int:
+    """No trace directory: the Flight Recorder dumps alone (``miles_fsm.replay.fr_only``)."""
+    trace_only = [flag for flag, value in (("--rank", args.rank), ("--epoch", args.epoch), ("--run", args.run_id))
+                  if value is not None]  # fmt: skip
+    if trace_only:
+        args.usage_error(f"{', '.join(trace_only)} select(s) traces: give the trace directory dir")
+    if args.flight_recorder is None:
+        args.usage_error("the following arguments are required: dir (or --flight-recorder FRDIR alone)")
+    from miles_fsm.replay.fr_only import collectives, replay_dumps
+
+    try:
+        if args.perfetto:
+            check_output(args.perfetto, [], folders=[args.flight_recorder])
+        result = replay_dumps(args.flight_recorder, prefix=args.fr_prefix)
+        if args.perfetto:
+            export_perfetto([], args.perfetto, collectives=collectives(result))
+    except (OutputPathError, FlightRecorderError) as exc:
+        sys.stderr.write(f"miles-fsm replay: {exc}\n")
+        return EXIT_BAD_INPUT
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
+        sys.stdout.flush()
+    else:
+        result.render(sys.stdout)
+    if args.perfetto:
+        sys.stderr.write(f"wrote the Perfetto timeline to {args.perfetto} (open it at https://ui.perfetto.dev)\n")
+    return result.exit_code

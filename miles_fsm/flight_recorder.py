@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ __all__ = [
     "FR_ENV",
     "FlightRecorderError",
     "FrEntry",
+    "NATIVE_PREFIX",
     "RankDump",
     "dump",
     "enable",
@@ -43,6 +45,8 @@ FR_ENV = "TORCH_FR_BUFFER_SIZE"
 #: Entries kept: enough for a transition's collectives and the train step's, small enough to read fast.
 DEFAULT_BUFFER = 200
 _DUMP_GLOB = "fr-rank-*.json"
+#: torch's own dump file prefix (``TORCH_FR_DUMP_TEMP_FILE``'s default name), which ``torchfrtrace`` reads.
+NATIVE_PREFIX = "nccl_trace_rank_"
 
 
 class FlightRecorderError(MilesFsmError, ValueError):
@@ -51,8 +55,8 @@ class FlightRecorderError(MilesFsmError, ValueError):
     def __init__(self, *, path: str, reason: str) -> None:
         self.path = path
         self.reason = reason
-        super().__init__(f"cannot read the Flight Recorder dump {path}: {reason}. "
-                         "Pass the folder of fr-rank-<r>.json files the run wrote.")  # fmt: skip
+        super().__init__(f"cannot read the Flight Recorder dump {path}: {reason}. Pass the folder of the dumps "
+                         "the run wrote (fr-rank-<r>.json, or torch's own <prefix><rank>)")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +112,6 @@ def enabled() -> bool:
 
 
 def _raw() -> dict[str, Any]:
-    import pickle
-
     import torch
 
     # The pickled dump without stack traces: several times cheaper than the JSON one, and it is
@@ -168,16 +170,40 @@ def dump(directory: Path | str, rank: int, **meta: Any) -> Path | None:
     """Write this process's recorder to ``directory/fr-rank-<rank>.json``; None when it is off.
 
     ``meta`` (the trigger, epoch and step in flight, the guard's group) goes
-    beside the raw dump, so replay can name what the rank was doing.
+    beside the raw dump, so replay can name what the rank was doing. The
+    same dump goes to ``directory/nccl_trace_rank_<rank>`` in torch's own
+    format, which ``torchfrtrace DIR`` reads.
     """
     if not enabled():
         return None
+    raw = _raw()
     path = Path(directory) / f"fr-rank-{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(orjson.dumps({"rank": rank, "meta": meta, "fr": _raw()}, default=str))
-    tmp.replace(path)
+    _write(path, orjson.dumps({"rank": rank, "meta": meta, "fr": raw}, default=str))
+    _write(path.with_name(f"{NATIVE_PREFIX}{rank}"), pickle.dumps(_named_groups(raw)))
     return path
+
+
+def _write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _named_groups(raw: dict[str, Any]) -> dict[str, Any]:
+    """The dump with ``pg_config`` naming this rank's groups and their members, as torch's analyzer needs.
+
+    gloo leaves it one entry keyed ``''`` with no ranks, and ``torchfrtrace`` then stops with ``KeyError``;
+    the live process knows its groups, so they are written in.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    config = {k: v for k, v in (raw.get("pg_config") or {}).items() if k and v.get("ranks") != "[]"}
+    if c10d.is_initialized():
+        for pg, name in c10d._world.pg_names.items():
+            ranks = sorted(c10d._world.pg_group_ranks.get(pg, {}))
+            config.setdefault(str(name), {"name": str(name), "desc": str(pg.group_desc), "ranks": str(ranks)})
+    return {**raw, "pg_config": config}
 
 
 def load_file(path: Path | str) -> RankDump:

@@ -11,6 +11,7 @@ import miles_fsm.drivers.errors as driver_errors
 import miles_fsm.errors as engine_errors
 import miles_fsm.flight_recorder as flight_recorder
 import miles_fsm.launch.local as launch
+import miles_fsm.replay.fr_native as fr_native
 import miles_fsm.replay.model as replay_model
 import miles_fsm.replay.perfetto as perfetto
 import miles_fsm.replay.runs as replay_runs
@@ -40,6 +41,7 @@ SAMPLES = [
                                            collective="all_reduce #6 on pg default_pg [1]",
                                            declared=["all_gather@dp[64:bfloat16]"]),  # fmt: skip
     flight_recorder.FlightRecorderError(path="fr/fr-rank-0.json", reason="no 'entries' list"),
+    fr_native.UnsafeDumpError(path="fr/nccl_trace_rank_0", name="posix.system"),
     engine_errors.MemoryReleasedError(owner="trainer", op="hash", tags=["param_buffer"]),
     driver_errors.MissingDependencyError(package="httpx", extra="sglang-http", needed_for="the HTTP transport"),
     engine_errors.RankFailedError(rank=0, waiting_for="PAUSED", trigger="offload", epoch=1, step="backup(actor)",

@@ -11,6 +11,7 @@ strategies): it passing is this audit's no-false-positive case for megatron.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import orjson
@@ -178,6 +179,16 @@ def test_replay_explains_the_hang_from_the_dumps(tmp_path, capfd, assert_no_left
     timeline = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
     slices = [e["name"] for e in timeline if e.get("cat") == "collective"]
     assert sorted(slices) == ["all_reduce #1 (demo_side)", "all_reduce #6 (default_pg)", "all_reduce #6 (default_pg)"]
+    # torch's own format alone (the lifecycle writes it beside the JSON): the steps as above, and torch's verdicts
+    native = tmp_path / "native"
+    native.mkdir()
+    for dump in tmp_path.glob(f"{fr.NATIVE_PREFIX}*"):
+        shutil.copy(dump, native)
+    code = main(["replay", str(tmp_path), "--json", "--flight-recorder", str(native)])
+    report = json.loads(capfd.readouterr()[0])["flight_recorder"]
+    assert code == 3 and [r["where"] for r in report["ranks"]][::2] == ["train", "train"], report["ranks"]
+    assert [(g["desc"], g["kind"], g["missing"]) for g in report["groups"] if g["kind"]] == [
+        ("default_pg", "NOT_ALL_RANKS_JOINING", [1]), ("demo_side", "NOT_ALL_RANKS_JOINING", [0, 2])]
 
 
 def test_replay_refuses_an_unreadable_flight_recorder_folder(tmp_path, capfd):
@@ -188,5 +199,6 @@ def test_replay_refuses_an_unreadable_flight_recorder_folder(tmp_path, capfd):
     assert code == 2 and "Traceback" not in err
     nowhere = tmp_path / "nowhere"
     assert err.strip().splitlines() == [f"miles-fsm replay: cannot read the Flight Recorder dump {nowhere}: not a "
-                                        "directory. Pass the folder of fr-rank-<r>.json files the run wrote."]
+                                        "directory. Pass the folder of the dumps the run wrote (fr-rank-<r>.json, "
+                                        "or torch's own <prefix><rank>)"]
 

@@ -43,7 +43,8 @@ def test_perfetto_still_writes_a_timeline_beside_the_traces(tmp_path, capsys):
 
 def test_earlier_runs_move_takes_the_flight_recorder_dumps_with_the_traces(tmp_path):
     """An earlier run's rank traces, index and fr-rank-*.json dumps all move together; nothing else does."""
-    names = ["rank-0.jsonl", "rank-0.jsonl.index", "rank-1.jsonl", "fr-rank-0.json", "fr-rank-1.json"]
+    names = ["rank-0.jsonl", "rank-0.jsonl.index", "rank-1.jsonl", "fr-rank-0.json", "fr-rank-1.json",
+             "nccl_trace_rank_0"]
     for n in names:
         (tmp_path / n).write_bytes(n.encode())
     (tmp_path / "notes.txt").write_bytes(b"mine")

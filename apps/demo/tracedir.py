@@ -5,7 +5,8 @@ ranks) would mix two runs: replay would read a rank file this run never
 wrote, and the tracer's own rotation (``rank-<r>.jsonl.<n>``) only covers the
 ranks this run has. So before the ranks start, every ``rank-<r>.jsonl`` and
 rotated ``rank-<r>.jsonl.<n>`` file (and the index beside it), and every
-Flight Recorder dump ``fr-rank-<r>.json`` of that run, is moved into
+Flight Recorder dump ``fr-rank-<r>.json`` (and its torch-format twin
+``nccl_trace_rank_<r>``) of that run, is moved into
 ``earlier-runs/<timestamp>/`` inside the directory; nothing is deleted, and
 replay, which reads only the top level, sees this run alone. One demo at a
 time per directory: a second one started while the first runs moves the
@@ -28,7 +29,7 @@ __all__ = ["EARLIER_RUNS", "prepare_trace_dir", "trace_run"]
 
 #: The folder inside a trace directory that earlier runs' rank files are moved to.
 EARLIER_RUNS = "earlier-runs"
-_RANK_FILE = re.compile(r"^(rank-\d+\.jsonl(\.\d+)?(\.index)?|fr-rank-\d+\.json)$")
+_RANK_FILE = re.compile(r"^(rank-\d+\.jsonl(\.\d+)?(\.index)?|fr-rank-\d+\.json|nccl_trace_rank_\d+)$")
 
 
 def prepare_trace_dir(path: Path) -> Path | None:

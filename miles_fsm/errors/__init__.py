@@ -38,7 +38,8 @@ imports none of them: the engine never imports a layer above it):
   purpose: no ``except Exception`` may swallow a Ctrl-C);
 - replay's: ``TraceDirError`` in ``miles_fsm.replay.model``, ``MixedRunsError``
   in ``miles_fsm.replay.runs``, ``OutputPathError`` in ``miles_fsm.replay.perfetto``;
-  ``FlightRecorderError`` in ``miles_fsm.flight_recorder``;
+  ``FlightRecorderError`` in ``miles_fsm.flight_recorder``, and its ``UnsafeDumpError``
+  (a torch-format dump that would run code) in ``miles_fsm.replay.fr_native``;
 - the apps', in ``miles_fsm.apps.errors``: ``FaultLocatedError``, ``TraceDirUnusableError``.
 """
 

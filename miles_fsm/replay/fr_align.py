@@ -20,6 +20,8 @@ import orjson
 
 from miles_fsm import flight_recorder as fr
 from miles_fsm.ranks import rank_ranges
+from miles_fsm.replay.fr_groups import FrGroups, analyse
+from miles_fsm.replay.fr_native import load_native_dir, to_rank_dump
 
 __all__ = ["FrReport", "RankCollective", "align", "explain"]
 
@@ -52,11 +54,15 @@ class FrReport:
     ranks: tuple[RankCollective, ...]
     missing: tuple[int, ...]
     problems: tuple[str, ...]
+    #: Each process group as torch's analyzer aligns it (``fr_groups``); None: not analysed.
+    groups: FrGroups | None = None
 
     @property
     def mismatch(self) -> bool:
-        """True when the ranks were last in different collectives (or some issued one the plan lacked)."""
-        return len({r.key[:3] for r in self.ranks}) > 1 or any(r.declared is False for r in self.ranks)
+        """True when the ranks were last in different collectives (or some issued one the plan lacked),
+        or torch's analyzer found a group out of step."""
+        return len({r.key[:3] for r in self.ranks}) > 1 or any(r.declared is False for r in self.ranks) \
+            or bool(self.groups and self.groups.problems)  # fmt: skip
 
     @property
     def line(self) -> str:
@@ -77,7 +83,8 @@ class FrReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"line": self.line, "mismatch": self.mismatch, "ranks": [r.to_json() for r in self.ranks],
-                "missing": list(self.missing), "problems": list(self.problems)}  # fmt: skip
+                "missing": list(self.missing), "problems": list(self.problems),
+                "groups": None if self.groups is None else self.groups.to_json()}  # fmt: skip
 
 
 def _records(path: Path, run: str | None) -> list[dict[str, Any]]:
@@ -141,9 +148,11 @@ def align(traces: Mapping[int, Path], dumps: Mapping[int, fr.RankDump], *, run: 
     return FrReport(tuple(placed), missing, tuple(problems))
 
 
-def explain(traces: Mapping[int, Path], fr_dir: Path | str | None, *, run: str | None = None) -> FrReport | None:
+def explain(traces: Mapping[int, Path], fr_dir: Path | str | None, *, run: str | None = None,
+            prefix: str | None = None) -> FrReport | None:
     """The report from the dumps in ``fr_dir`` (None: beside the traces); None when there are none.
 
+    ``fr_dir`` may hold torch's own dumps (``<prefix><rank>``, ``fr_native``) instead of the lifecycle's.
     Raises ``FlightRecorderError`` for a ``fr_dir`` that cannot be read, or a corrupt dump in it.
     """
     if fr_dir is None:
@@ -162,4 +171,12 @@ def explain(traces: Mapping[int, Path], fr_dir: Path | str | None, *, run: str |
             return None
         report = align(traces, found, run=run)
         return FrReport(report.ranks, report.missing, (*report.problems, *problems))
-    return align(traces, fr.load_dir(fr_dir), run=run)
+    dumps = fr.load_dir(fr_dir) if prefix is None else {}
+    if dumps:
+        return align(traces, dumps, run=run)
+    native = load_native_dir(fr_dir, prefix)
+    if not native.dumps:
+        raise fr.FlightRecorderError(path=str(fr_dir), reason=f"it holds no Flight Recorder dump (fr-rank-<r>.json "
+                                     f"or {native.prefix}<rank>)")  # fmt: skip
+    report = align(traces, {r: to_rank_dump(r, d, native.paths[r]) for r, d in native.dumps.items()}, run=run)
+    return FrReport(report.ranks, report.missing, report.problems, analyse(native.dumps, str(fr_dir)))

@@ -61,8 +61,8 @@ class OutputPathError(MilesFsmError, ValueError):
         super().__init__(f"--perfetto {self.path}: {reason}")
 
 
-#: Names of a run's own evidence: rank traces (rotated too), their indexes, Flight Recorder dumps.
-_EVIDENCE = re.compile(r"^(rank-[^/]*\.jsonl(\.\d+)?|.*\.index|fr-rank-[^/]*\.json)$")
+#: Names of a run's own evidence: rank traces (rotated too), their indexes, Flight Recorder dumps (torch's too).
+_EVIDENCE = re.compile(r"^(rank-[^/]*\.jsonl(\.\d+)?|.*\.index|fr-rank-[^/]*\.json|nccl_trace_rank_\d+)$")
 
 
 def check_output(out: str | os.PathLike[str], inputs: Iterable[Path], folders: Iterable[Path] = ()) -> None:
@@ -154,7 +154,8 @@ def export_perfetto(
     its creation to the end of the timeline.
     """
     walls = [t.first_wall for t in traces if t.first_wall is not None]
-    base = min(walls) if walls else 0.0
+    # Dumps alone (no traces): the timeline starts at the first collective.
+    base = min(walls) if walls else min((c["time_ns"] / 1e9 for c in collectives), default=0.0)
     guards: dict[tuple[Any, ...], list[tuple[float, int]]] = defaultdict(list)
     count = 0
     end_ts = 0.0
@@ -193,10 +194,14 @@ def export_perfetto(
                 if ph != "s":
                     ev["bp"] = "e"
                 emit(ev)
+        for rank in sorted({c["rank"] for c in collectives} - {t.rank for t in traces}):
+            emit({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} (no trace)"}})
+        end_ts = max([end_ts, *((c["time_ns"] / 1e9 - base) * 1e6 for c in collectives)])
         for c in collectives:
             _export_collective(c, base, end_ts, emit)
         f.write(b"\n],")
-        f.write(b'"otherData":' + orjson.dumps({"generator": "miles-fsm replay", "ranks": [t.rank for t in traces]}))
+        ranks = sorted({t.rank for t in traces} | {c["rank"] for c in collectives})
+        f.write(b'"otherData":' + orjson.dumps({"generator": "miles-fsm replay", "ranks": ranks}))
         f.write(b"}\n")
     return count
 

@@ -47,11 +47,13 @@ def replay(
     perfetto: str | None = None,
     run: str | None = None,
     flight_recorder: str | None = None,
+    fr_prefix: str | None = None,
 ) -> Diagnosis:
     """Read and diagnose a trace directory (of one run: ``run``, when it holds several).
 
-    ``flight_recorder``: a folder of ``fr-rank-<r>.json`` dumps (None: those
-    beside the traces, if any); what they say is ``Diagnosis.flight_recorder``.
+    ``flight_recorder``: a folder of ``fr-rank-<r>.json`` dumps, or of torch's own
+    (``<fr_prefix><rank>``), (None: those beside the traces, if any); what they
+    say is ``Diagnosis.flight_recorder``.
 
     Raises ``TraceDirError`` (``MixedRunsError`` among them), ``OutputPathError``
     or ``FlightRecorderError`` on bad input.
@@ -77,7 +79,7 @@ def replay(
         raise TraceDirError(trace_dir, f"--epoch {epochs} selects nothing: its traces hold epochs 0-{last}")
     diagnosis = diagnose(traces, expected=wanted, straggler_ratio=straggler_ratio, run=chosen.run,
                          ignored=chosen.ignored, warnings=chosen.warnings, misnamed=found.misnamed)  # fmt: skip
-    report = explain(files, flight_recorder, run=chosen.run)
+    report = explain(files, flight_recorder, run=chosen.run, prefix=fr_prefix)
     if perfetto is not None:
         from miles_fsm.replay.perfetto import export_perfetto
 
@@ -139,6 +141,10 @@ def _summary(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
         add(("bold red" if fr["mismatch"] else None, f"flight recorder: {fr['line']}"))
         for problem in fr["problems"]:
             add(("yellow", f"  flight recorder: {problem}"))
+        for g in fr.get("groups") or ():  # torch's alignment, for torch-format dumps
+            if g["kind"] is not None:
+                add(("bold red", f"  torchfrtrace: {g['desc'] or g['name']}: {g['kind']} at {g['op']} "
+                                 f"#{g['collective_seq_id']}: {g['line']}"))
     if d.culprit is not None:
         c = d.culprit
         if c["decided"]:
