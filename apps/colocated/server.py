@@ -22,7 +22,7 @@ from typing import Any
 
 from miles_fsm.drivers.errors import EngineRequestError
 
-__all__ = ["SERVER_FLAGS", "SGLangServer"]
+__all__ = ["SERVER_FLAGS", "SGLangServer", "server_env"]
 
 #: ``../shared/sglang-h200/README.md``'s flags: no tokenizer (requests send ids), triton attention,
 #: the memory saver on; bf16 named, so that a config without a dtype cannot fall back to fp16.
