@@ -43,6 +43,8 @@ class Context:
     previous_engine_lp: list[list[float]] | None = None
     #: megatron's logprobs of the probe batch after this cycle's train step.
     reference: list[list[float]] = field(default_factory=list)
+    #: The JSON's list of lifecycle runs, each appended when it starts.
+    runs: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 

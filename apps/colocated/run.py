@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -63,7 +64,9 @@ def _lifecycle(ctx: Any, strategy: Any, load_format: str | None, host: Any, trac
     label = f"{strategy.value}/{load_format or 'tensors'}"
     lc = Lifecycle(trainer=trainer, engine=engine, config=LifecycleConfig(
         guard=GuardConfig(timeout_s=600), verify=dcfg.verify, trace_dir=trace_dir / label.replace("/", "_")))  # fmt: skip
-    out: dict[str, Any] = {"strategy": strategy.value, "load_format": load_format or "tensors", "cycles": []}
+    out: dict[str, Any] = {"strategy": strategy.value, "load_format": load_format or "tensors", "cycles": [],
+                           "state": "INITIAL"}  # fmt: skip
+    ctx.runs.append(out)  # in the JSON from now on: a run cut short keeps the cycles it finished
     error: BaseException | None = None
     try:
         out["start"] = transition_rows([lc.start()])
@@ -164,15 +167,17 @@ def run_loop(cfg: LoopConfig, result: dict[str, Any]) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         ctx = _setup(cfg, server, result)
+        ctx.runs = result["runs"]
         host = HostCopies(config=PinnedConfig())
         first = True
         for strategy in cfg.strategies:
             for load_format in cfg.load_formats:
-                run = _lifecycle(ctx, strategy, load_format, host, workdir / "traces",
-                                 cfg.profile_cycle if first else 0)  # fmt: skip
-                result["runs"].append(run)
+                _lifecycle(ctx, strategy, load_format, host, workdir / "traces", cfg.profile_cycle if first else 0)
                 first = False
                 write_json(cfg.out, result)
+    except SystemExit as exc:
+        result["error"] = {"type": "SystemExit", "message": f"stopped by a signal (exit {exc.code})"}
+        raise
     except Exception as exc:
         result["error"] = {"type": type(exc).__name__, "message": str(exc)[-4000:],
                            "traceback": traceback.format_exc()[-6000:], "server_log_tail": server.log_tail(40)}  # fmt: skip
@@ -196,6 +201,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the loop; 0 when every check passed, 1 when one failed, 2 when this host cannot run it."""
     cfg, problems = parse_args(argv)
@@ -206,10 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     result: dict[str, Any] = {"benchmark": "gpu_colocated", "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": []}
     t0 = time.monotonic()
-    run_loop(cfg, result)
-    result["wall_s"] = round(time.monotonic() - t0, 1)
-    summarize(cfg, result)
-    write_json(cfg.out, result)
+    # A TERM (a time limit) unwinds like an error, so the server, which runs in a session of its own and
+    # would outlive this process, is stopped on the way out, and the JSON says how far the run got.
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        run_loop(cfg, result)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        result["wall_s"] = round(time.monotonic() - t0, 1)
+        summarize(cfg, result)
+        write_json(cfg.out, result)
     failed = [name for name, c in result["checks"].items() if not c["ok"]]
     print(f"wrote {cfg.out}; checks failed: {failed or 'none'}", flush=True)
     return 0 if result["ok"] else 1
