@@ -1,6 +1,6 @@
 """The SGLang driver against a real SGLang server on one GPU (issue 16).
 
-It starts ``python -m sglang.launch_server`` on a tiny Llama with dummy
+It starts ``python -m sglang.launch_server`` on a small Llama (221 MB of bf16) with dummy
 weights and ``--enable-memory-saver``, then checks, against the real engine:
 
 - what the engine supports, probed the way the driver probes it;
@@ -48,17 +48,19 @@ from typing import Any
 
 import torch
 
-#: A tiny Llama (the shape of ``../shared/sglang-h200/tiny-config.json``); dummy weights.
-TINY_LLAMA = {
+#: A small Llama; dummy weights. 221 MB of bf16 weights, so that releasing them frees a measurable
+#: amount: the 3.4 MB of ``../shared/sglang-h200/tiny-config.json``'s shape read as -14.7 MB "freed"
+#: against the whole device's free memory (noise of 2 MB pages and other allocations).
+SMALL_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
     "head_dim": 64,
-    "vocab_size": 1024,
+    "vocab_size": 32000,
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
@@ -311,6 +313,11 @@ def llama_specs(cfg: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     return specs
 
 
+def weight_bytes(cfg: Mapping[str, Any]) -> int:
+    """The bf16 bytes of every weight of the Llama (what releasing ``weights`` must free)."""
+    return sum(2 * int(torch.Size(shape).numel()) for _, shape in llama_specs(cfg))
+
+
 def random_weights(cfg: Mapping[str, Any], seed: int, device: str) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -425,7 +432,7 @@ class Run:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.cfg = json.loads(args.model_config.read_text()) if args.model_config else dict(TINY_LLAMA)
+        self.cfg = json.loads(args.model_config.read_text()) if args.model_config else dict(SMALL_LLAMA)
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_sglang_"))
         self.model_dir = self.tmp / "model"
         self.model_dir.mkdir()
@@ -580,6 +587,11 @@ class Run:
             if tag == "cuda_graph":
                 row["ok"] = True
                 row["frees_nothing"] = row["freed_bytes"] <= 0
+            elif tag == "weights":
+                # The release must free (and the resume take back) what the weights are, less a
+                # 10% allowance for 2 MB page rounding and the device's other traffic.
+                row["expected_bytes"] = expected = weight_bytes(self.cfg)
+                row["ok"] = row["freed_bytes"] >= 0.9 * expected and row["restored_bytes"] >= 0.9 * expected
             else:
                 row["ok"] = row["freed_bytes"] > 0 and row["restored_bytes"] > 0
             ok &= row["ok"]
@@ -870,7 +882,7 @@ def _anchors() -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON to write")
-    parser.add_argument("--model-config", type=Path, default=None, help="a config.json (default: the tiny Llama)")
+    parser.add_argument("--model-config", type=Path, default=None, help="a config.json (default: SMALL_LLAMA)")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: beside --out)")
     parser.add_argument("--startup-timeout", type=float, default=240.0)
     parser.add_argument("--budget-s", type=float, default=3600.0, help="start no server that would end past this")

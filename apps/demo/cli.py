@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -15,7 +16,10 @@ from miles_fsm.apps.demo.tracedir import EARLIER_RUNS
 from miles_fsm.apps.errors import TraceDirUnusableError
 from miles_fsm.states import Strategy
 
-__all__ = ["add_parser"]
+__all__ = ["STACKS", "add_parser"]
+
+#: Where the demo runs: CPU ranks (the reference trainer, or megatron on gloo), or megatron and SGLang on a GPU.
+STACKS = ("cpu", "megatron-sglang")
 
 
 def add_parser(sub: Any) -> None:
@@ -48,6 +52,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--launcher", choices=LAUNCHERS, default="local",
                    help="local: processes on this host (default); ray: Ray actors (needs ray). Under torchrun "
                    "(torchrun --nproc-per-node N -m miles_fsm demo) each worker runs one rank")
+    p.add_argument("--stack", choices=STACKS, default="cpu",
+                   help="cpu: the ranks above on CPU (default); megatron-sglang: one 1.1 B megatron GPT and a real "
+                   "SGLang server sharing this host's GPU through --steps cycles of --mode, every cycle checked "
+                   "against the engine (miles_fsm.apps.colocated; needs CUDA, sglang, megatron-core and "
+                   "torch-memory-saver); its JSON goes to --trace-dir")
     p.add_argument("--layers", type=int, default=2, help="model layers (default 2)")
     p.add_argument("--dim", type=int, default=32, help="model width (default 32)")
     p.set_defaults(run=_run, _parser=p)
@@ -61,6 +70,8 @@ def _injection(text: str) -> Injection:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.stack == "megatron-sglang":
+        _run_colocated(args)
     from rich.console import Console
 
     from miles_fsm.apps.demo.torchrun import torchrun_run_id, under_torchrun
@@ -120,6 +131,27 @@ def _run(args: argparse.Namespace) -> int:
         return 128 + int(signum)
     print_result(result, out)
     return result.exit_code
+
+
+def _run_colocated(args: argparse.Namespace) -> NoReturn:
+    """The colocated loop on this host's GPU (``miles_fsm.apps.colocated``); refused, exit 2, where it cannot run."""
+    from miles_fsm.apps.colocated.config import missing_requirements
+
+    if args.inject:
+        _usage_error(args, "--inject runs with --stack cpu only (its faults are the reference trainer's)")
+    missing = missing_requirements()
+    if missing:
+        _usage_error(args, f"--stack megatron-sglang runs on a CUDA host with sglang, megatron-core and "
+                           f"torch-memory-saver installed; this host lacks {', '.join(missing)}")  # fmt: skip
+    from miles_fsm.apps.colocated.run import main as colocated
+
+    out = (args.trace_dir if args.trace_dir is not None else fresh_trace_dir(Path("miles-fsm-traces"))) / "colocated.json"
+    code = colocated(["--out", str(out), "--strategy", args.mode, "--cycles", str(args.steps)])
+    # torch_memory_saver's torch hook exits 1 when the interpreter frees its region tensors at
+    # shutdown; the JSON is written and the server stopped, so leave now with the run's own code.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _usage_error(args: argparse.Namespace, message: str) -> NoReturn:
