@@ -46,6 +46,17 @@ def test_input_logprobs_reads_tokens_one_onward_and_refuses_other_shapes():
             input_logprobs("e", answer, sent)
 
 
+def test_input_logprobs_matches_answers_to_prompts_by_their_ids():
+    """A batched answer in another order than the prompts (seen on SGLang 0.5.17) is put back in prompt order by
+    the token ids each answer echoes; an answer that repeats a prompt is refused."""
+    ids = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    lps = [[None, -1.0, -2.0], [None, -3.0, -4.0], [None, -5.0, -6.0]]
+    body = [_answer(ids[2], lps[2]), _answer(ids[0], lps[0]), _answer(ids[1], lps[1])]
+    assert input_logprobs("e", body, ids) == [[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]]
+    with pytest.raises(EngineRequestError, match="repeats prompt 0"):
+        input_logprobs("e", [_answer(ids[0], lps[0]), _answer(ids[0], lps[0]), body[2]], ids)
+
+
 def test_compare_and_the_verdicts():
     """max/mean |delta| over every token; within tolerance passes; a wrong conversion is caught only when it
     fails the tolerance AND is ``margin`` times the right one's error."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,10 @@ def test_colocated_loop_against_the_real_engine(tmp_path):
     format: SGLang's logprobs match megatron's within bf16's tolerance and move after each train step, both
     wrong conversions fail by the margin, /weights_checker matches every push, every cycle is SHA256-exact,
     PAUSED gives the trainer's tags to the engine, and no server is left running."""
-    out = tmp_path / "colocated.json"
+    # MILES_FSM_COLOCATED_OUT: keep the run's JSON (and its server log) there, so one run gives both the
+    # test's verdict and benchmarks/results/colocated_h200.json.
+    keep = os.environ.get("MILES_FSM_COLOCATED_OUT")
+    out = Path(keep) / "colocated_h200.json" if keep else tmp_path / "colocated.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_colocated.py"), "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1400)  # fmt: skip
     assert out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -40,16 +40,24 @@ def input_logprobs(engine: str, body: Any, ids: Sequence[Sequence[int]]) -> list
     if len(items) != len(ids):
         raise EngineRequestError(engine=engine, op="generate(return_logprob)", status=200,
                                  message=f"{len(items)} answers for {len(ids)} prompts")  # fmt: skip
-    out = []
-    for i, (item, sent) in enumerate(zip(items, ids, strict=True)):
+    # A batched answer may come back in another order than the prompts went (seen on SGLang 0.5.17 on
+    # the H200): each answer is matched to its prompt by the token ids it echoes, which are unique.
+    wanted = {tuple(sent): i for i, sent in enumerate(ids)}
+    out: list[list[float] | None] = [None] * len(ids)
+    for n, item in enumerate(items):
         meta = item.get("meta_info") if isinstance(item, Mapping) else None
         rows = meta.get("input_token_logprobs") if isinstance(meta, Mapping) else None
-        problem = _rows_problem(rows, sent)
+        echoed = tuple(r[1] for r in rows) if isinstance(rows, list) else ()
+        i = wanted.get(echoed, n)
+        problem = _rows_problem(rows, ids[i])
         if problem:
             raise EngineRequestError(engine=engine, op="generate(return_logprob)", status=200,
-                                     message=f"prompt {i}: {problem}")  # fmt: skip
-        out.append([float(r[0]) for r in rows[1:]])  # type: ignore[index]
-    return out
+                                     message=f"answer {n} (prompt {i}): {problem}")  # fmt: skip
+        if out[i] is not None:
+            raise EngineRequestError(engine=engine, op="generate(return_logprob)", status=200,
+                                     message=f"answer {n} repeats prompt {i}")  # fmt: skip
+        out[i] = [float(r[0]) for r in rows[1:]]  # type: ignore[index]
+    return [row for row in out if row is not None]
 
 
 def _rows_problem(rows: Any, sent: Sequence[int]) -> str | None:
@@ -57,8 +65,11 @@ def _rows_problem(rows: Any, sent: Sequence[int]) -> str | None:
         return f"no meta_info.input_token_logprobs list (got {type(rows).__name__})"
     if len(rows) != len(sent):
         return f"{len(rows)} input logprobs for {len(sent)} input tokens"
-    if [r[1] for r in rows] != list(sent):
-        return "the token ids of input_token_logprobs are not the ids sent"
+    echoed = [r[1] for r in rows]
+    if echoed != list(sent):
+        at = next(k for k, (a, b) in enumerate(zip(echoed, sent, strict=True)) if a != b)
+        return (f"the token ids of input_token_logprobs are not the ids sent (first difference at token {at}: "
+                f"{echoed[at]!r} for {sent[at]!r}; it matches no other prompt either)")
     if rows[0][0] is not None:
         return f"the first input logprob is {rows[0][0]!r}, not null"
     if any(r[0] is None for r in rows[1:]):
