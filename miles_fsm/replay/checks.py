@@ -10,10 +10,10 @@ rest, and the Perfetto export checks every record it draws with it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["I64", "MAX_DEPTH", "MAX_RANKS", "bad_action", "bad_guard", "bad_sig", "invalid", "label", "plain_int"]
+__all__ = ["I64", "MAX_DEPTH", "MAX_RANKS", "bad_action", "bad_guard", "bad_sig", "invalid", "label", "plain_int", "unfit"]
 
 #: Integers the reader stores in 64-bit arrays must fit them.
 I64 = 1 << 63
@@ -94,6 +94,15 @@ def bad_guard(g: tuple[Any, ...]) -> str | None:
     if not all(c.__class__ is str for c in cols) or (tensors is not None and tensors.__class__ is not str):
         return "collectives or tensors are not names"
     return None
+
+
+def unfit(key: tuple[Any, ...], bad: Callable[[tuple[Any, ...]], str | None]) -> str | None:
+    """Why ``key`` cannot be a table's entry: unhashable, or ``bad`` says so."""
+    try:
+        hash(key)
+    except TypeError:
+        return "a list or an object where a name belongs"
+    return bad(key)
 
 
 def plain_int(v: Any) -> int | None:

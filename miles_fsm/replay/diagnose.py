@@ -34,6 +34,21 @@ from miles_fsm.replay.problems import (
     stop_problems,
     undamaged_divergence,
 )
+from miles_fsm.replay.shapes import (
+    Culprit,
+    DamageEntry,
+    FirstDivergence,
+    FlightRecorderReport,
+    GuardFailure,
+    IllegalMove,
+    OutsideFailure,
+    RankEntry,
+    StepFailure,
+    StoppedRank,
+    Straggler,
+    TraceProblems,
+    VerificationFailure,
+)
 
 __all__ = ["Diagnosis", "Verdict", "diagnose", "rank_ranges"]
 
@@ -42,28 +57,29 @@ __all__ = ["Diagnosis", "Verdict", "diagnose", "rank_ranges"]
 class Diagnosis:
     """Everything replay found; ``to_json()`` is the ``--json`` contract."""
 
-    verdict: str
+    verdict: Verdict
     headline: str
     world: int
-    culprit: dict[str, Any] | None
-    ranks: list[dict[str, Any]]
+    culprit: Culprit | None
+    ranks: list[RankEntry]
     missing_ranks: list[int]
-    first_divergence: dict[str, Any] | None
-    stuck: list[dict[str, Any]]
-    illegal: list[dict[str, Any]]
-    verification: list[dict[str, Any]]
-    guard_failures: list[dict[str, Any]]
-    failures: list[dict[str, Any]]
-    outside_failures: list[dict[str, Any]]
-    stragglers: list[dict[str, Any]]
-    trace_problems: dict[str, Any]
+    first_divergence: FirstDivergence | None
+    stuck: list[StoppedRank]
+    illegal: list[IllegalMove]
+    verification: list[VerificationFailure]
+    guard_failures: list[GuardFailure]
+    failures: list[StepFailure]
+    outside_failures: list[OutsideFailure]
+    stragglers: list[Straggler]
+    trace_problems: TraceProblems
     notes: list[str] = field(default_factory=list)
     #: What the Flight Recorder dumps say (``FrReport.to_json()``); None: no dumps were read.
-    flight_recorder: dict[str, Any] | None = None
+    flight_recorder: FlightRecorderReport | None = None
 
     @property
     def healthy(self) -> bool:
-        return self.verdict == Verdict.OK and not (self.flight_recorder or {}).get("mismatch")
+        fr = self.flight_recorder
+        return self.verdict == Verdict.OK and not (fr is not None and fr.get("mismatch"))
 
     @property
     def exit_code(self) -> int:
@@ -142,8 +158,8 @@ def diagnose(
     trace_problems = rank_summary.trace_problems(traces, missing, run=run, ignored=ignored, warnings=warnings,
                                                  world=world, damaged=misnamed)  # fmt: skip
     verdict, headline, culprit, notes = _judge(problems, traces, missing, trace_problems)
-    ranks = [rank_summary.rank_json(t) for t in traces] + [{"rank": r, "status": "missing", "file": None}
-                                                           for r in missing]  # fmt: skip
+    ranks: list[RankEntry] = [rank_summary.rank_json(t) for t in traces]
+    ranks += [{"rank": r, "status": "missing", "file": None} for r in missing]
     ranks.sort(key=lambda r: r["rank"])
     return Diagnosis(
         verdict=verdict,
@@ -152,7 +168,7 @@ def diagnose(
         culprit=culprit,
         ranks=ranks,
         missing_ranks=missing,
-        first_divergence=None if divergence is None else {k: v for k, v in divergence.items() if k != "summary"},
+        first_divergence=None if divergence is None else divergence.found,
         stuck=stuck,
         illegal=illegal,
         verification=verification,
@@ -169,8 +185,8 @@ def _judge(
     problems: list[Problem],
     traces: Sequence[RankTrace],
     missing: list[int],
-    trace_problems: dict[str, Any],
-) -> tuple[str, str, dict[str, Any] | None, list[str]]:
+    trace_problems: TraceProblems,
+) -> tuple[Verdict, str, Culprit | None, list[str]]:
     """The verdict, headline, culprit and notes: the earliest cause wins; what follows it is its consequence."""
     causes = [p for p in problems if not p.consequence] or problems
     if not causes:
@@ -188,7 +204,7 @@ def _judge(
     decided = bool(singled)
     verdict = lead.verdict
     headline = lead.headline if len(same) == 1 else f"{lead.headline} (and {len(same) - 1} more like it)"
-    culprit = {"ranks": suspects if decided else [], "decided": decided, "suspects": suspects, "epoch": lead.epoch,
+    culprit: Culprit = {"ranks": suspects if decided else [], "decided": decided, "suspects": suspects, "epoch": lead.epoch,
                "transition": lead.transition, "position": first_pos}  # fmt: skip
     later = [p for p in problems if p not in same]
     if later:
@@ -198,7 +214,7 @@ def _judge(
     return verdict, headline, culprit, notes
 
 
-def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: dict[str, Any]) -> tuple[str, str]:
+def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: TraceProblems) -> tuple[Verdict, str]:
     """OK only if every rank's trace ends in a clean ``trace_closed`` and nothing in the files is damaged."""
     reasons = []
     if tp["damaged"]:
@@ -246,7 +262,7 @@ def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: dict[str
     )
 
 
-def _damage(damaged: list[dict[str, Any]]) -> str:
+def _damage(damaged: list[DamageEntry]) -> str:
     """The first few damaged files, each with its first damage (all of it is under ``trace_problems.damaged``)."""
     first: dict[str, str] = {}
     for d in damaged:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from miles_fsm.blame import suspects
 from miles_fsm.ranks import plural_ranks, rank_ranges
 from miles_fsm.replay.model import CANCELLED, RankTrace
+from miles_fsm.replay.shapes import Difference, FirstDivergence, GuardReport, ValueGroup
 from miles_fsm.trace.schema import GUARD_FAILED, error_fields
 
 #: Intent fields, in the order a divergence names the first that differs.
@@ -33,11 +34,20 @@ _FIELDS = (
 )
 _GUARD_FIELDS = frozenset(("guarded", "collectives", "tensors", "plan fingerprint"))
 
-def _global(traces: Sequence[RankTrace]) -> tuple[list[Any], list[Any]]:
+
+class Divergence(NamedTuple):
+    """The first divergence (``Diagnosis.first_divergence``), and its one-line summary (a headline)."""
+
+    found: FirstDivergence
+    summary: str
+
+
+def _global(traces: Sequence[RankTrace]) -> tuple[list[Sequence[int]], list[Sequence[int]]]:
     """Per rank, sig and guard ids in one id space shared by all ranks."""
     sig_ids: dict[Any, int] = {}
     guard_ids: dict[Any, int] = {}
-    sigs, guards = [], []
+    sigs: list[Sequence[int]] = []
+    guards: list[Sequence[int]] = []
     ref = traces[0]
     for t in traces:
         if t.sig_table == ref.sig_table and t is not ref:
@@ -79,7 +89,7 @@ def _first_mismatch(t: RankTrace, sig: Any, guard: Any, r: RankTrace, rsig: Any,
     return None  # pragma: no cover - the slices differed
 
 
-def first_divergence(traces: Sequence[RankTrace]) -> dict[str, Any] | None:
+def first_divergence(traces: Sequence[RankTrace]) -> Divergence | None:
     traces = [t for t in traces if t.positions]
     if len(traces) < 2:
         return None
@@ -96,7 +106,7 @@ def first_divergence(traces: Sequence[RankTrace]) -> dict[str, Any] | None:
     if first is None:
         return None
     at = {t.rank: t.describe_at(first) for t in traces if t.positions > first}
-    differences = {}
+    differences: dict[str, tuple[dict[str, list[int]], dict[str, Any]]] = {}
     for n in _FIELDS:
         groups, shown = _groups(at, n)
         if len(groups) > 1:
@@ -116,15 +126,15 @@ def first_divergence(traces: Sequence[RankTrace]) -> dict[str, Any] | None:
     summary = f"ranks disagree on {name} at {lead['trigger']} (epoch {lead['epoch']}): {sides}; {who}"
     if guard is not None and guard["detail"]:
         summary += f" (the guard: {'; '.join(guard['detail'])})"
-    return {
+    body: FirstDivergence = {
         "position": first,
         "epoch": lead["epoch"],
         "transition": lead["trigger"],
         "field": name,
         "also_differ": list(differences)[1:],
-        "groups": [{"ranks": rs, "value": shown[k]} for k, rs in ordered],
+        "groups": [ValueGroup(ranks=rs, value=shown[k]) for k, rs in ordered],
         "differences": [
-            {"field": n, "groups": [{"ranks": rs, "value": sh[k]} for k, rs in sorted(g.items(), key=_by_size)]}
+            Difference(field=n, groups=[ValueGroup(ranks=rs, value=sh[k]) for k, rs in sorted(g.items(), key=_by_size)])
             for n, (g, sh) in differences.items()
         ],
         "guard_report": guard,
@@ -135,8 +145,8 @@ def first_divergence(traces: Sequence[RankTrace]) -> dict[str, Any] | None:
         "decided": found.decided,
         "not_yet_at_guard": not_reached,
         "not_there": behind,
-        "summary": summary,
     }
+    return Divergence(body, summary)
 
 
 def _groups(at: dict[int, dict[str, Any]], name: str) -> tuple[dict[str, list[int]], dict[str, Any]]:
@@ -176,7 +186,7 @@ def _previous(traces: Sequence[RankTrace], first: int, name: str, trigger: str) 
     return None
 
 
-def _guard_report(traces: Sequence[RankTrace], position: int) -> dict[str, Any] | None:
+def _guard_report(traces: Sequence[RankTrace], position: int) -> GuardReport | None:
     """What the guard itself said at this position, if it caught the divergence (its field and detail)."""
     for t in traces:
         for n in t.notes:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from miles_fsm.replay.model import RankTrace
+from miles_fsm.replay.shapes import GuardFailure, OutsideFailure, OutsideStop, StepFailure, VerificationFailure
 from miles_fsm.trace.schema import (
     GUARD_FAILED,
     RECOVERED,
@@ -52,10 +53,10 @@ def last_own_record(t: RankTrace) -> tuple[str | None, str | None, float | None]
     return t.last_event, t.last_subject, t.last_wall
 
 
-def outside_stops(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
+def outside_stops(traces: Sequence[RankTrace]) -> list[OutsideStop]:
     """Ranks stopped from outside while they ran, and why: an operator's signal to the launcher, the run's
     time limit, another rank's failure, or the launcher's own death. None of these is a rank's fault."""
-    out = []
+    out: list[OutsideStop] = []
     for t in traces:
         c = stopped_from_outside(t)
         if c is None:
@@ -77,9 +78,10 @@ def outside_stops(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
     return out
 
 
-def guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
+def guard_failures(traces: Sequence[RankTrace]) -> list[GuardFailure]:
     """Guard failures grouped by position and error: who failed and what they said."""
-    grouped: dict[tuple[int, str], dict[str, Any]] = {}
+    grouped: dict[tuple[int, str], GuardFailure] = {}
+    missing: dict[tuple[int, str], set[int]] = {}  # the ranks each group names as missing, sorted at the end
     for t in traces:
         for n in t.notes:
             if n.event != GUARD_FAILED:
@@ -95,7 +97,7 @@ def guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
                     "transition": rec.get("trigger"),
                     "error": rec.get("error"),
                     "ranks": [],
-                    "missing": set(),
+                    "missing": [],
                     "field": fields.get("field"),
                     "culprits": fields.get("culprits"),
                     "how": fields.get("how"),
@@ -104,17 +106,15 @@ def guard_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
                     "message": first_line(rec.get("message") or ""),
                 }
             g["ranks"].append(t.rank)
-            g["missing"].update(fields.get("missing") or ())
-    out = []
-    for g in sorted(grouped.values(), key=lambda g: (g["position"], str(g["error"]))):
+            missing.setdefault(key, set()).update(fields.get("missing") or ())
+    for key, g in grouped.items():
         g["ranks"].sort()
-        g["missing"] = sorted(g["missing"])
-        out.append(g)
-    return out
+        g["missing"] = sorted(missing[key])
+    return sorted(grouped.values(), key=lambda g: (g["position"], str(g["error"])))
 
 
-def verification_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
-    out = []
+def verification_failures(traces: Sequence[RankTrace]) -> list[VerificationFailure]:
+    out: list[VerificationFailure] = []
     for t in traces:
         for n in t.notes:
             if n.event == VERIFY_FAILED:
@@ -137,9 +137,9 @@ def verification_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
 _VERIFY_ERRORS = frozenset(("VerificationError", "TensorSetChangedError"))
 
 
-def step_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
+def step_failures(traces: Sequence[RankTrace]) -> list[StepFailure]:
     """Transitions that failed in a step (an action raised): not the guard's failures."""
-    out = []
+    out: list[StepFailure] = []
     for t in traces:
         for n in t.notes:
             rec = n.record
@@ -162,14 +162,14 @@ def step_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
     return out
 
 
-def outside_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
+def outside_failures(traces: Sequence[RankTrace]) -> list[OutsideFailure]:
     """Errors recorded outside any transition: a driver's or the demo's record carrying ``error``
     (``demo_failed``), or a ``trace_closed`` written as an exception left the lifecycle.
 
     ``after_failed``: the rank was already FAILED, so a transition's failure, reported on its own,
     is what this one carries on.
     """
-    out = []
+    out: list[OutsideFailure] = []
     for t in traces:
         failed = t.table.failed if t.table is not None else "FAILED"
         for n in t.notes:
@@ -199,5 +199,5 @@ def outside_failures(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
     return out
 
 
-def first_line(text: str) -> str:
+def first_line(text: str | None) -> str:
     return text.splitlines()[0] if text else ""

@@ -10,25 +10,27 @@ with the recorded triggers, the run, the notes, ``trace_opened`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from miles_fsm.replay.checks import MAX_RANKS, bad_guard, bad_sig, invalid, label, plain_int
+from miles_fsm.replay.checks import bad_action, bad_guard, bad_sig, invalid, label, plain_int, unfit
 from miles_fsm.replay.files import preview
 from miles_fsm.replay.model import (
     CANCELLED,
     FAILED,
+    FINISHED,
     NO_GUARD,
+    OPEN,
     BadLine,
-    Damage,
     EpochRange,
     Illegal,
     MachineTable,
     Position,
     RankTrace,
+    identity_damage,
 )
 from miles_fsm.replay.order import bad_line
 from miles_fsm.trace.schema import (
@@ -44,12 +46,18 @@ from miles_fsm.trace.schema import (
     VERIFY_FAILED,
 )
 
-__all__ = ["CLOSED", "OUT", "SKIPPED", "FoldState"]
+__all__ = ["FoldState", "Opened", "OtherRun", "known_id"]
 
-#: ``FoldState.rare``'s answer: the lines are not in order, or hold another run (the sorted reader tells).
-OUT = -1
-#: ``FoldState.rare``'s answer, bits: the line was skipped (a bad record); the open transition was closed.
-SKIPPED, CLOSED = 1, 2
+#: The open transition, as the fold's loop holds it: its line (0: none), epoch, sig id, guard id, phase.
+Opened = tuple[int, int, int, int, str]
+#: ``FoldState._rare``'s answer: the lines are not in order, or hold another run (the sorted reader tells).
+_OUT = -1
+#: ``FoldState._rare``'s answer, bits: the line was skipped (a bad record); the open transition was closed.
+_SKIPPED, _CLOSED = 1, 2
+
+
+class OtherRun(Exception):
+    """A rare record says the file holds another run, or its lines are out of order: the sorted reader tells."""
 
 _UNSET = object()
 _NO_RUN = object()
@@ -63,7 +71,7 @@ class FoldState:
     """One file's fold, beyond the hot loop's locals."""
 
     __slots__ = ("t", "path", "epochs", "want_run", "run0", "world0", "foreign", "sig_ids", "guard_ids", "checked",
-                 "table", "machine", "pending", "first_rec", "closed_line", "closed_skipped")  # fmt: skip
+                 "table", "machine", "pending", "first_rec", "closed_line", "closed_skipped", "_columns")  # fmt: skip
 
     def __init__(self, t: RankTrace, path: Path, epochs: EpochRange | None, want_run: str | None,
                  run_known: bool) -> None:  # fmt: skip
@@ -76,21 +84,24 @@ class FoldState:
         self.sig_ids: dict[tuple[Any, ...], int] = {}
         self.guard_ids: dict[tuple[Any, ...], int] = {NO_GUARD: 0}
         t.guard_table.append(NO_GUARD)
-        self.checked: dict[tuple[Any, ...], str | None] = {}
+        #: (machine, sig id) -> where a legal transition takes the machine (an illegal one is checked each time).
+        self.checked: dict[tuple[str | None, int], str | None] = {}
         # Where the machine is, re-driven from the records; its table comes with trace_opened.
         self.table: MachineTable | None = None
         self.machine: str | None = None
         self.pending: str | None = None
         self.first_rec: dict[str, Any] | None = None
         self.closed_line = self.closed_skipped = 0
+        # Bound once: ``close`` runs once per transition.
+        self._columns = (t.epochs.append, t.sigs.append, t.guards.append, t.work_s.append, t.outcome.extend)
 
     # ------------------------------------------------------------- lines
 
-    def parse(self, line: bytes, lineno: int, complete: bool) -> tuple[dict[str, Any], Any, Any] | None:
-        """A line that is no hot record: (record, event, seq), its identity checked; None if skipped."""
+    def parse(self, line: bytes, lineno: int, complete: bool) -> dict[str, Any] | None:
+        """A line that is no hot record: the record, its identity checked; None if skipped."""
         try:
-            rec = orjson.loads(line)
-            event = rec["event"]
+            rec: dict[str, Any] = orjson.loads(line)
+            rec["event"]  # raises for anything but an object with an event: no trace record
         except orjson.JSONDecodeError as exc:
             if not line or line.isspace():
                 return None
@@ -106,7 +117,7 @@ class FoldState:
         if identity_of != (SCHEMA_VERSION, self.t.rank, self.world0) or not all(x.__class__ is int
                                                                                 for x in identity_of):  # fmt: skip
             self.identity(lineno, *identity_of)
-        return rec, event, rec.get("seq")
+        return rec
 
     def identity(self, line: int, v: Any, r: Any, world: Any) -> Any:
         """Count a record whose identity differs from the file's (or the first record); the file's world."""
@@ -121,9 +132,30 @@ class FoldState:
     def bad(self, line: int, reason: str, raw: bytes) -> None:
         self.t.bad.append(BadLine(path=str(self.path), line=line, reason=reason, text=preview(raw)))
 
+    def bad_act(self, act: Any, rec: dict[str, Any] | None, lineno: int, line: bytes) -> bool:
+        """Whether an action record is bad (noted, and skipped); ``OtherRun`` if a well-formed one is of another run."""
+        why = (None if act.__class__ is str else "action is not a name") if rec is None else bad_action(rec)
+        if why is not None:
+            self.bad(lineno, f"not a trace record: {why}", line)
+            return True
+        if rec is not None and rec.get("run") != self.run0:
+            raise OtherRun
+        return False
+
+    def close(self, code: bytes, work: float, epoch: int, sig: int, guard: int, phase: str) -> None:
+        """Record the open transition at its position, with how it ended (``code``) and its own work time."""
+        epochs, sigs, guards, work_s, outcome = self._columns
+        epochs(epoch)
+        sigs(sig)
+        # No guard record: skipped (no collectives) once steps ran or the transition
+        # closed; unknown (-1) while it may still be planning.
+        guards(guard if guard >= 0 or (code == OPEN and phase == "planning") else 0)
+        work_s(work)
+        outcome(code)
+
     def new_sig(self, sig: tuple[Any, ...], lineno: int, line: bytes) -> int:
         """A new transition signature's id in ``t.sig_table``; -1 (reported as a bad line) if it is none."""
-        why = _unfit(sig, bad_sig)
+        why = unfit(sig, bad_sig)
         if why is not None:
             self.bad(lineno, f"not a trace record: {why}", line)
             return -1
@@ -133,7 +165,7 @@ class FoldState:
 
     def new_guard(self, g: tuple[Any, ...], lineno: int, line: bytes) -> int:
         """A new guard's (key, collectives, tensors) id in ``t.guard_table``; -1 (a bad line) if it is none."""
-        why = _unfit(g, bad_guard)
+        why = unfit(g, bad_guard)
         if why is not None:
             self.bad(lineno, f"not a trace record: {why}", line)
             return -1
@@ -151,44 +183,76 @@ class FoldState:
                     state=label(state) if state is not None else None, reason=reason)  # fmt: skip
         )
 
-    def check(self, machine: str | None, sig_id: int, sig: tuple[Any, ...]) -> tuple[str | None, str | None]:
-        """What the table says of transition ``sig`` from ``machine``: why it is illegal (or None), and where
-        the machine goes; kept per (machine, signature)."""
+    def moves(self, machine: str | None, sig_id: int, sig: tuple[Any, ...], lineno: int, rec: dict[str, Any] | None,
+              line: bytes) -> str | None:  # fmt: skip
+        """Where transition ``sig`` takes the machine from ``machine``, as the table says; an illegal one is noted.
+        A legal one is kept per (machine, signature), for the fold to find without a call."""
         table = self.table
         assert table is not None  # the fold asks only once trace_opened gave a table
         trigger, source, dest = sig[0], sig[1], sig[2]
         verdict = table.forbids(machine, trigger, source, dest, sig[3])
-        legal = table.arrows.get((machine, trigger))
-        answer = self.checked[(machine, sig_id)] = (verdict, legal[0] if legal is not None and machine == source
-                                                   else dest)  # fmt: skip
-        return answer
+        arrow: tuple[Any, Any] = (machine, trigger)  # any JSON the record holds: no arrow, unless the table has it
+        legal = table.arrows.get(arrow)
+        goes = legal[0] if legal is not None and machine == source else dest
+        if verdict is None:
+            self.checked[(machine, sig_id)] = goes
+        else:
+            self.illegal(lineno, rec if rec is not None else orjson.loads(line), verdict, len(self.t.outcome))
+        return goes
 
-    def finished_oddly(self, lineno: int, rec: dict[str, Any] | None, line: bytes, state: str | None,
-                       pending: str | None, position: int, *, was_open: bool) -> None:  # fmt: skip
-        """Note a ``transition_finished`` without a start, or in another state than the machine moves to."""
-        rec = rec if rec is not None else orjson.loads(line)
-        if not was_open:
-            self.illegal(lineno, rec, "transition_finished without transition_started", position)
-        if pending is not None and state != pending:
-            self.illegal(lineno, rec, f"finished in {state}, but the machine moves to {pending}", position)
+    def finished(self, lineno: int, rec: dict[str, Any] | None, line: bytes, state: Any, duration: Any,
+                 pending: str | None, cur_line: int, wait_s: float, epoch: int, sig: int,
+                 guard: int) -> bool:  # fmt: skip
+        """``transition_finished``: the open transition closed; one without a start, or in another state than the
+        machine moves to, is illegal. True if the line is bad (skipped)."""
+        if state is not None and state.__class__ is not str:
+            self.bad(lineno, "not a trace record: state is not a name", line)
+            return True
+        if cur_line:  # ``close``, inline: once per transition, a call fewer
+            epochs, sigs, guards, work_s, outcome = self._columns
+            epochs(epoch)
+            sigs(sig)
+            guards(guard if guard >= 0 else 0)
+            work_s(duration - wait_s if duration.__class__ is float else math.nan)
+            outcome(FINISHED)
+        if not cur_line or (pending is not None and state != pending):
+            position, rec = len(self.t.outcome) - 1, rec if rec is not None else orjson.loads(line)
+            if not cur_line:
+                self.illegal(lineno, rec, "transition_finished without transition_started", position)
+            if pending is not None and state != pending:
+                self.illegal(lineno, rec, f"finished in {state}, but the machine moves to {pending}", position)
+        return False
 
     # ------------------------------------------------------- rare records
 
-    def rare(self, event: Any, rec: dict[str, Any], lineno: int, line: bytes, cur_line: int, skipped: int,
-             prev_raw: bytes, close: Callable[[bytes, float], None]) -> int:  # fmt: skip
-        """A record that is none of the hot ones: ``OUT``, or the ``SKIPPED`` and ``CLOSED`` bits."""
-        t = self.t
+    def rare(self, event: Any, rec: dict[str, Any] | None, lineno: int, line: bytes, skipped: int, prev_raw: bytes,
+             machine: str | None, pending: str | None, opened: Opened,
+             ) -> tuple[int, int, Any, str | None, str | None, MachineTable | None]:  # fmt: skip
+        """A record that is none of the hot ones: the fold's open line, lines skipped, run, machine, pending state
+        and table after it; ``OtherRun`` if the file holds another run."""
+        assert rec is not None  # a HotRecord's event is one of the hot ones
+        self.machine, self.pending = machine, pending
+        done = self._rare(event, rec, lineno, line, skipped, prev_raw, opened)
+        if done == _OUT:
+            raise OtherRun
+        return (0 if done & _CLOSED else opened[0], skipped + (done & _SKIPPED), self.run0, self.machine, self.pending,
+                self.table)  # fmt: skip
+
+    def _rare(self, event: Any, rec: dict[str, Any], lineno: int, line: bytes, skipped: int, prev_raw: bytes,
+              opened: Opened) -> int:  # fmt: skip
+        """``rare``'s work: ``_OUT``, or the ``_SKIPPED`` and ``_CLOSED`` bits."""
+        t, cur_line = self.t, opened[0]
         if event.__class__ is not str:
             self.bad(lineno, "not a trace record: event is not a name", line)
-            return SKIPPED
+            return _SKIPPED
         if rec.get("run") != self.run0 and event != TRACE_OPENED:
             # Another run's records that keep the seq count going (a restart resets it): read it sorted.
-            return OUT
+            return _OUT
         if event in _KEPT_WHOLE and (why := invalid(rec)) is not None:
             self.bad(lineno, f"not a trace record: {why}", line)
-            return SKIPPED
+            return _SKIPPED
         if event == TRANSITION_FAILED or event == TRANSITION_CANCELLED:
-            return self._ended(event, rec, lineno, cur_line, close, len(t.outcome) - 1)
+            return self._ended(event, rec, lineno, opened, len(t.outcome) - 1)
         if event in (GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE):
             t.note(bool(cur_line), lineno, event, rec)
         elif event == RECOVERED:
@@ -205,18 +269,18 @@ class FoldState:
             return self._own(event, rec, lineno, line, cur_line)
         return 0
 
-    def _ended(self, event: str, rec: dict[str, Any], lineno: int, cur_line: int,
-               close: Callable[[bytes, float], None], position: int) -> int:  # fmt: skip
+    def _ended(self, event: str, rec: dict[str, Any], lineno: int, opened: Opened, position: int) -> int:
         """A transition failed or cancelled: closed if open, and the machine FAILED after a failure."""
+        cur_line = opened[0]
         self.t.note(bool(cur_line), lineno, event, rec)
         if cur_line:
-            close(FAILED if event == TRANSITION_FAILED else CANCELLED, float("nan"))
+            self.close(FAILED if event == TRANSITION_FAILED else CANCELLED, math.nan, *opened[1:])
         else:
             self.illegal(lineno, rec, f"{event} without transition_started", position)
         if event == TRANSITION_FAILED:
             self.machine = self.table.failed if self.table is not None else rec.get("state")
         self.pending = None
-        return CLOSED if cur_line else 0
+        return _CLOSED if cur_line else 0
 
     def _recovered(self, rec: dict[str, Any], lineno: int, cur_line: int) -> None:
         t, table = self.t, self.table
@@ -232,14 +296,14 @@ class FoldState:
         self.machine = target
 
     def _opened(self, rec: dict[str, Any]) -> int:
-        """``trace_opened``: the run (another is ``OUT``), and from the first, the meta and the machine's table."""
+        """``trace_opened``: the run (another is ``_OUT``), and from the first, the meta and the machine's table."""
         t = self.t
         if self.run0 is _NO_RUN:
             self.run0 = rec.get("run")
             if self.want_run is not None and self.run0 != self.want_run:
-                return OUT
+                return _OUT
         elif rec.get("run") != self.run0:
-            return OUT
+            return _OUT
         t.opened += 1
         if t.opened == 1:
             t.meta = {k: v for k, v in rec.items() if k not in _COMMON}
@@ -260,14 +324,27 @@ class FoldState:
             why = invalid(rec)
             if why is not None:
                 self.bad(lineno, f"not a trace record: {why}", line)
-                return SKIPPED
+                return _SKIPPED
             self.t.note(bool(cur_line), lineno, event, rec)
         return 0
 
     # ------------------------------------------------------- end of file
 
-    def end(self, lineno: int, skipped: int, last_parsed_line: int, last_raw: bytes) -> bool:
-        """The file's counts, run, first and last records, and identity damage; False if the last is another run's."""
+    def end(self, lineno: int, skipped: int, last_parsed_line: int, last_raw: bytes, opened: Opened, cur_raw: bytes,
+            last_action: tuple[int, Any, str]) -> bool:  # fmt: skip
+        """The file's counts, run, first and last records, identity damage and the transition it ends inside
+        (``last_action``: the last action record's line, action and event); False if the last is another run's."""
+        if not self._counts(lineno, skipped, last_parsed_line, last_raw):
+            return False
+        cur_line, epoch, sig, guard, phase = opened
+        if cur_line:
+            action_line, action, action_event = last_action
+            phase = self.left_open(cur_raw, epoch, phase, len(self.t.outcome), action_line > cur_line, action,
+                                   action_event)  # fmt: skip
+            self.close(OPEN, math.nan, epoch, sig, guard, phase)
+        return True
+
+    def _counts(self, lineno: int, skipped: int, last_parsed_line: int, last_raw: bytes) -> bool:
         t = self.t
         last_rec: dict[str, Any] | None = orjson.loads(last_raw) if last_parsed_line else None
         if last_rec is not None and last_rec.get("run") != self.run0:
@@ -280,11 +357,12 @@ class FoldState:
         if self.run0 is not _NO_RUN:
             t.runs = {self.run0: t.records}
             t.run = self.run0
-        if self.first_rec is not None or last_rec is not None:
-            t.track(self.first_rec or last_rec, 0)
+        first = self.first_rec or last_rec
+        if first is not None:
+            t.track(first, 0)
         if last_rec is not None:
             t.track(last_rec, last_parsed_line)
-        _identity_damage(t, self.path, self.world0, self.foreign)
+        identity_damage(t, self.path, self.world0, self.foreign)
         return True
 
     def left_open(self, cur_raw: bytes, cur_epoch: int, cur_phase: str, index: int, acted: bool, last_action: Any,
@@ -309,30 +387,9 @@ class FoldState:
         return cur_phase
 
 
-def _identity_damage(t: RankTrace, path: Path, world: Any, foreign: dict[tuple[str, Any], list[int]]) -> None:
-    """The file's world, and its records whose rank, world or schema is not the file's, as damage."""
-    t.world = world if world.__class__ is int and 0 < world <= MAX_RANKS else None
-    for (name, value), (n, line) in foreign.items():
-        if name == "rank":
-            what = f"of rank {value}, not rank {t.rank}" + (" (a copy or a link of another rank's file?)"
-                                                             if line == 1 and n == t.records else "")  # fmt: skip
-        elif name == "world":
-            what = f"of world {value}" + ("" if t.world is None else f", not the world {t.world} of its first record")
-        else:
-            what = f"of schema v{value}; replay reads v{SCHEMA_VERSION}" + (" (v1 traces are never ok)"
-                                                                            if value == 1 else "")  # fmt: skip
-        t.damaged.append(Damage(path=str(path), line=line, records=n, reason=f"{n} record(s) {what}"))
-    if t.world is not None and t.rank >= t.world:
-        t.damaged.append(Damage(path=str(path), line=0, records=0,
-                                reason=f"rank {t.rank} is beyond the world of {t.world} its records give"))  # fmt: skip
-
-
-
-
-def _unfit(key: tuple[Any, ...], bad: Callable[[tuple[Any, ...]], str | None]) -> str | None:
-    """Why ``key`` cannot be a table's entry: unhashable, or ``bad`` says so."""
+def known_id(ids: dict[tuple[Any, ...], int], key: tuple[Any, ...]) -> int:
+    """``key``'s id in ``ids``, else -1: a line orjson read may hold a list where a name belongs."""
     try:
-        hash(key)
-    except TypeError:
-        return "a list or an object where a name belongs"
-    return bad(key)
+        return ids.get(key, -1)
+    except TypeError:  # unhashable: reported as a bad line by ``new_sig`` or ``new_guard``
+        return -1

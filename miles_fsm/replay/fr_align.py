@@ -22,6 +22,7 @@ from miles_fsm import flight_recorder as fr
 from miles_fsm.ranks import rank_ranges
 from miles_fsm.replay.fr_groups import FrGroups, analyse
 from miles_fsm.replay.fr_native import load_native_dir, to_rank_dump
+from miles_fsm.replay.shapes import CollectiveEntry, FlightRecorderReport
 
 __all__ = ["FrReport", "RankCollective", "align", "explain"]
 
@@ -40,7 +41,7 @@ class RankCollective:
     def key(self) -> tuple[Any, ...]:
         return (self.entry.op, self.entry.seq, self.entry.pg_desc or self.entry.pg, self.where, self.epoch)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> CollectiveEntry:
         e = self.entry
         return {"rank": self.rank, "op": e.op, "collective_seq_id": e.seq, "process_group": e.pg_desc or e.pg,
                 "input_sizes": [list(s) for s in e.input_sizes], "output_sizes": [list(s) for s in e.output_sizes],
@@ -81,7 +82,7 @@ class FrReport:
             parts.append(f"no dump from rank(s) {rank_ranges(list(self.missing))}")
         return "; ".join(parts) if parts else "no collective recorded"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> FlightRecorderReport:
         return {"line": self.line, "mismatch": self.mismatch, "ranks": [r.to_json() for r in self.ranks],
                 "missing": list(self.missing), "problems": list(self.problems),
                 "groups": None if self.groups is None else self.groups.to_json()}  # fmt: skip
@@ -100,9 +101,12 @@ def _records(path: Path, run: str | None) -> list[dict[str, Any]]:
     return out
 
 
-def _place(records: list[dict[str, Any]], t_ns: int) -> tuple[str, int | None, bool | None]:
-    """The step a collective created at wall time ``t_ns`` was issued in, its epoch, and whether it was declared."""
-    where, epoch, planned = "start", None, None
+def _place(records: list[dict[str, Any]], t_ns: int) -> tuple[str, int | None, list[str] | None]:
+    """The step a collective created at wall time ``t_ns`` was issued in, its epoch, and the collectives its
+    step's guarded plan declared (None: no plan traced)."""
+    where: str = "start"
+    epoch: int | None = None
+    planned: list[str] | None = None
     plans: dict[str, list[str]] = {}
     for rec in records:
         if rec.get("wall", 0) * 1e9 > t_ns:
@@ -118,7 +122,7 @@ def _place(records: list[dict[str, Any]], t_ns: int) -> tuple[str, int | None, b
             planned = plans.get(str(trigger), [])
         elif event in ("action_finished", "transition_finished"):
             where, planned = f"after {trigger}/{rec.get('action') or ''}".rstrip("/"), None
-    return where, epoch, planned  # type: ignore[return-value]
+    return where, epoch, planned
 
 
 _REDUCE_SCATTER_AS = {"all_reduce", "reduce_scatter"}

@@ -26,6 +26,7 @@ from typing import Any
 from miles_fsm import flight_recorder as fr
 from miles_fsm.ranks import rank_ranges
 from miles_fsm.replay.fr_native import normalise
+from miles_fsm.replay.shapes import FrGroup
 
 __all__ = ["NOT_ALL_JOINING", "UNDECIDED", "FrGroups", "GroupVerdict", "Part", "analyse"]
 
@@ -111,7 +112,7 @@ class GroupVerdict:
             return f"{UNDECIDED} at {at}: {self.detail}"
         return f"{self.kind} at {at}: culprit {rank_ranges(self.culprits)} ({self.detail})"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> FrGroup:
         return {"name": self.name, "desc": self.desc, "members": list(self.members), "line": self.line,
                 "kind": self.kind, "op": self.op, "collective_seq_id": self.seq, "culprits": list(self.culprits),
                 "missing": list(self.missing), "detail": self.detail, "later": self.later,
@@ -140,7 +141,7 @@ class FrGroups:
             return f"{len(self.groups)} process group(s) of {len(self.dumped)} rank(s): every collective matched"
         return "; ".join(g.line for g in bad)
 
-    def to_json(self) -> list[dict[str, Any]]:
+    def to_json(self) -> list[FrGroup]:
         return [g.to_json() for g in self.groups]
 
 

@@ -23,6 +23,7 @@ from miles_fsm.replay.fr_align import RankCollective
 from miles_fsm.replay.fr_groups import FrGroups, GroupVerdict, analyse
 from miles_fsm.replay.fr_native import DEFAULT_PREFIX, NativeDumps, checked, load_native_dir, to_rank_dump
 from miles_fsm.replay.problems import Verdict
+from miles_fsm.replay.shapes import CollectiveEntry
 
 __all__ = ["FrOnlyReplay", "collectives", "replay_dumps"]
 
@@ -147,6 +148,6 @@ def _lifecycle_dumps(folder: str | Path) -> NativeDumps | None:
     return NativeDumps("fr-rank-", raw, {r: Path(d.path) for r, d in found.items()})
 
 
-def collectives(result: FrOnlyReplay) -> Sequence[dict[str, Any]]:
+def collectives(result: FrOnlyReplay) -> Sequence[CollectiveEntry]:
     """What ``export_perfetto`` draws for dumps alone: each rank's last collective on each group."""
     return [r.to_json() for r in result.in_flight]

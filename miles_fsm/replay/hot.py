@@ -28,7 +28,7 @@ from miles_fsm.trace.schema import (
     VERIFIED,
 )
 
-__all__ = ["HOT_EVENTS", "HotRecord", "decode_hot", "hot_errors"]
+__all__ = ["HOT_EVENTS", "NOT_HOT", "HotRecord", "RecordView", "decode_hot", "hot_errors"]
 
 # orjson reads integers in [-2**63, 2**64) as int and any other as float; msgspec bounds stop at
 # int64, so only int64 values decode here (a larger one goes to orjson, which reads it as it always did).
@@ -70,3 +70,17 @@ HOT_EVENTS = frozenset((ACTION_STARTED, ACTION_FINISHED, TRANSITION_STARTED, TRA
                         GUARD_PASSED, VERIFIED))  # fmt: skip
 decode_hot = msgspec.json.Decoder(HotRecord).decode
 hot_errors = (msgspec.DecodeError, msgspec.ValidationError)
+#: What the fold takes for a line that does not decode here: its event is none of ``HOT_EVENTS``.
+NOT_HOT = HotRecord(event="", seq=0)
+
+
+class RecordView:
+    """A record orjson read, seen as a ``HotRecord`` is: a field is ``rec.get(name)`` (None: absent)."""
+
+    __slots__ = ("_rec",)
+
+    def __init__(self, rec: dict[str, Any]) -> None:
+        self._rec = rec
+
+    def __getattr__(self, name: str) -> Any:
+        return self._rec.get(name)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_fsm.errors import MilesFsmError
-from miles_fsm.replay.checks import plain_int
+from miles_fsm.replay.checks import MAX_RANKS, plain_int
+from miles_fsm.replay.shapes import BeforeClose
+from miles_fsm.trace.schema import SCHEMA_VERSION
 
 __all__ = [
     "CANCELLED",
@@ -32,6 +34,7 @@ __all__ = [
     "Position",
     "RankTrace",
     "TraceDirError",
+    "identity_damage",
 ]
 
 #: Outcome codes of a position, one byte each.
@@ -187,10 +190,10 @@ class RankTrace:
     truncated: BadLine | None = None
     #: Damage that parses (``Damage``): the file is not what its writer left.
     damaged: list[Damage] = field(default_factory=list)
-    epochs: array = field(default_factory=lambda: array("q"))
-    sigs: array = field(default_factory=lambda: array("l"))
-    guards: array = field(default_factory=lambda: array("l"))
-    work_s: array = field(default_factory=lambda: array("d"))
+    epochs: array[int] = field(default_factory=lambda: array("q"))
+    sigs: array[int] = field(default_factory=lambda: array("l"))
+    guards: array[int] = field(default_factory=lambda: array("l"))
+    work_s: array[float] = field(default_factory=lambda: array("d"))
     outcome: bytearray = field(default_factory=bytearray)
     sig_table: list[tuple[str, str, str, tuple[str, ...]]] = field(default_factory=list)
     guard_table: list[tuple[Any, ...]] = field(default_factory=list)
@@ -204,7 +207,7 @@ class RankTrace:
     last_wall: float | None = None
     #: The record before ``trace_closed``, in brief (``event``, ``subject``: its action or trigger,
     #: ``wall``): where a rank stopped from outside was last active, since its stop wrote the close.
-    before_close: dict[str, Any] | None = None
+    before_close: BeforeClose | None = None
     last_mono_ns: int | None = None
     last_event: str | None = None
     #: What the last record names: its action, else its trigger (None: neither).
@@ -343,3 +346,21 @@ class MachineTable:
 def _subsequence(part: Sequence[str], whole: Sequence[str]) -> bool:
     it = iter(whole)
     return all(any(x == y for y in it) for x in part)
+
+
+def identity_damage(t: RankTrace, path: str | os.PathLike[str], world: Any, foreign: dict[tuple[str, Any], list[int]]) -> None:
+    """The file's world, and its records whose rank, world or schema is not the file's, as damage."""
+    t.world = world if world.__class__ is int and 0 < world <= MAX_RANKS else None
+    for (name, value), (n, line) in foreign.items():
+        if name == "rank":
+            what = f"of rank {value}, not rank {t.rank}" + (" (a copy or a link of another rank's file?)"
+                                                             if line == 1 and n == t.records else "")  # fmt: skip
+        elif name == "world":
+            what = f"of world {value}" + ("" if t.world is None else f", not the world {t.world} of its first record")
+        else:
+            what = f"of schema v{value}; replay reads v{SCHEMA_VERSION}" + (" (v1 traces are never ok)"
+                                                                            if value == 1 else "")  # fmt: skip
+        t.damaged.append(Damage(path=str(path), line=line, records=n, reason=f"{n} record(s) {what}"))
+    if t.world is not None and t.rank >= t.world:
+        t.damaged.append(Damage(path=str(path), line=0, records=0,
+                                reason=f"rank {t.rank} is beyond the world of {t.world} its records give"))  # fmt: skip

@@ -65,7 +65,7 @@ class OutputPathError(MilesFsmError, ValueError):
 _EVIDENCE = re.compile(r"^(rank-[^/]*\.jsonl(\.\d+)?|.*\.index|fr-rank-[^/]*\.json|nccl_trace_rank_\d+)$")
 
 
-def check_output(out: str | os.PathLike[str], inputs: Iterable[Path], folders: Iterable[Path] = ()) -> None:
+def check_output(out: str | os.PathLike[str], inputs: Iterable[Path], folders: Iterable[str | os.PathLike[str]] = ()) -> None:
     """Raise ``OutputPathError`` unless ``out`` can be written and overwrites none of the run's evidence.
 
     ``folders``: where the run's traces and Flight Recorder dumps are; a file there named as one of them

@@ -10,12 +10,22 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
 
 from miles_fsm.ranks import plural_ranks
-from miles_fsm.replay.divergence import first_divergence
+from miles_fsm.replay.divergence import Divergence, first_divergence
 from miles_fsm.replay.evidence import first_line
 from miles_fsm.replay.model import RankTrace
+from miles_fsm.replay.shapes import (
+    GuardFailure,
+    IllegalMove,
+    LocatedFault,
+    OutsideFailure,
+    OutsideStop,
+    StepFailure,
+    StoppedRank,
+    VerificationFailure,
+)
 from miles_fsm.trace.schema import TRACE_CLOSED
 
 __all__ = [
@@ -33,8 +43,12 @@ __all__ = [
 ]
 
 
-class Verdict:
-    """The verdicts of the JSON contract."""
+class Verdict(str, Enum):
+    """The verdicts of the JSON contract: each member is its JSON string (``Verdict.OK == "ok"``).
+
+    ``str`` and ``Enum`` rather than ``StrEnum`` (Python 3.11+): 3.10 is supported. ``__str__`` and
+    ``__format__`` give the value, as ``StrEnum``'s do, so f-strings and reports print ``ok``.
+    """
 
     OK = "ok"
     DIVERGENCE = "divergence"
@@ -43,6 +57,12 @@ class Verdict:
     CORRUPT = "corrupt"
     INCOMPLETE = "incomplete"
 
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 #: When problems tie on position, the cause comes first.
 RANK = {Verdict.DIVERGENCE: 0, Verdict.CORRUPT: 1, Verdict.CRASHED: 2, Verdict.STUCK: 3, Verdict.INCOMPLETE: 4}
@@ -50,7 +70,7 @@ RANK = {Verdict.DIVERGENCE: 0, Verdict.CORRUPT: 1, Verdict.CRASHED: 2, Verdict.S
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Problem:
-    verdict: str
+    verdict: Verdict
     position: int
     culprits: tuple[int, ...]
     epoch: int | None
@@ -63,20 +83,21 @@ class Problem:
 
 
 def divergence_problems(
-    divergence: dict[str, Any] | None, illegal: list[dict[str, Any]], guard_failures: list[dict[str, Any]]
+    divergence: Divergence | None, illegal: list[IllegalMove], guard_failures: list[GuardFailure]
 ) -> list[Problem]:
     """Ranks that did different things: a divergent intent, an illegal move, or the guard's own report."""
     problems = []
     if divergence is not None:
+        found = divergence.found
         problems.append(
             Problem(
                 verdict=Verdict.DIVERGENCE,
-                position=divergence["position"],
-                culprits=tuple(divergence["culprits"]),
-                epoch=divergence["epoch"],
-                transition=divergence["transition"],
-                headline=divergence["summary"],
-                decided=divergence["decided"],
+                position=found["position"],
+                culprits=tuple(found["culprits"]),
+                epoch=found["epoch"],
+                transition=found["transition"],
+                headline=divergence.summary,
+                decided=found["decided"],
             )
         )
     if illegal:
@@ -115,20 +136,23 @@ def divergence_problems(
 
 def undamaged_divergence(
     traces: Sequence[RankTrace], damaged: set[int]
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+) -> tuple[Divergence | None, Divergence | None]:
     """The first divergence the undamaged ranks bear out, and one that only damaged ranks show (or None)."""
     divergence = first_divergence(traces)
-    if divergence is None or not damaged & {r for g in divergence["groups"] for r in g["ranks"]}:
+    if divergence is None or not damaged & {r for g in divergence.found["groups"] for r in g["ranks"]}:
         return divergence, None
     return first_divergence([t for t in traces if t.rank not in damaged]), divergence
 
 
 def damage_problems(
-    damage: dict[str, Any] | None, illegal: list[dict[str, Any]], by_rank: dict[int, RankTrace]
+    damage: Divergence | None, illegal: list[IllegalMove], by_rank: dict[int, RankTrace]
 ) -> list[Problem]:
     """What looks like a divergence or an illegal move only on ranks that lost records: their damage."""
-    seen = [(damage["position"], damage["epoch"], damage["transition"], damage["summary"],
-             sorted(r for g in damage["groups"] for r in g["ranks"] if by_rank[r].lost))] if damage else []  # fmt: skip
+    seen: list[tuple[int, int | None, str | None, str, list[int]]] = []
+    if damage is not None:
+        d = damage.found
+        seen.append((d["position"], d["epoch"], d["transition"], damage.summary,
+                     sorted(r for g in d["groups"] for r in g["ranks"] if by_rank[r].lost)))  # fmt: skip
     if illegal:
         first = illegal[0]
         seen.append((first["position"], first["epoch"], first["trigger"], first["reason"],
@@ -150,7 +174,7 @@ def damage_problems(
     return problems
 
 
-def outside_problems(outside: list[dict[str, Any]], *, stopped: bool) -> list[Problem]:
+def outside_problems(outside: list[OutsideFailure], *, stopped: bool) -> list[Problem]:
     """Failures outside any transition, the first per rank; a rank already FAILED carries on its own failure."""
     problems = []
     seen: set[int] = set()
@@ -169,7 +193,7 @@ def outside_problems(outside: list[dict[str, Any]], *, stopped: bool) -> list[Pr
 
 
 def _of_rank(
-    entry: dict[str, Any], verdict: str, transition: str | None, headline: str, *, consequence: bool = False,
+    entry: OutsideFailure | StoppedRank | StepFailure, verdict: Verdict, transition: str | None, headline: str, *, consequence: bool = False,
     decided: bool = True,
 ) -> Problem:
     """A problem of one rank, at the position and epoch of its evidence ``entry``."""
@@ -177,7 +201,7 @@ def _of_rank(
                    transition=transition, headline=headline, consequence=consequence, decided=decided)  # fmt: skip
 
 
-def outside_stop_problems(stops: list[dict[str, Any]]) -> list[Problem]:
+def outside_stop_problems(stops: list[OutsideStop]) -> list[Problem]:
     """Ranks stopped from outside (``evidence.outside_stops``): one problem per reason, blaming nobody.
 
     An operator's signal, the run's time limit or the launcher's death stops the run where it stood: the
@@ -185,7 +209,7 @@ def outside_stop_problems(stops: list[dict[str, Any]]) -> list[Problem]:
     failure's consequence; the failure's own evidence leads.
     """
     problems = []
-    by_reason: dict[str, list[dict[str, Any]]] = {}
+    by_reason: dict[str, list[OutsideStop]] = {}
     for s in stops:
         by_reason.setdefault(str(s["reason"]), []).append(s)
     for reason, group in by_reason.items():
@@ -206,7 +230,7 @@ def outside_stop_problems(stops: list[dict[str, Any]]) -> list[Problem]:
     return problems
 
 
-def stop_problems(stuck: list[dict[str, Any]]) -> list[Problem]:
+def stop_problems(stuck: list[StoppedRank]) -> list[Problem]:
     """Ranks that stopped: crashed, stuck, or silent with nobody waiting on them (incomplete).
 
     A rank the stop from outside found somewhere (``how == "stopped"``) is no problem of its own: the
@@ -237,7 +261,7 @@ def stop_problems(stuck: list[dict[str, Any]]) -> list[Problem]:
 _STOP_VERDICTS = {"crashed": Verdict.CRASHED, "stuck": Verdict.STUCK, "cancelled": Verdict.STUCK}
 
 
-def failure_problems(failures: list[dict[str, Any]], *, stopped_at: int | None) -> list[Problem]:
+def failure_problems(failures: list[StepFailure], *, stopped_at: int | None) -> list[Problem]:
     """Steps that raised (verification failures are judged apart, by ``corruption``)."""
     problems = []
     for f in failures:
@@ -251,7 +275,7 @@ def failure_problems(failures: list[dict[str, Any]], *, stopped_at: int | None) 
     return problems
 
 
-def corruption(verification: list[dict[str, Any]], located: list[dict[str, Any]]) -> Problem:
+def corruption(verification: list[VerificationFailure], located: list[LocatedFault]) -> Problem:
     """The first verification failure, traced to the rank whose data was wrong where the records allow."""
     first_pos = min(v["position"] for v in verification)
     firsts = [v for v in verification if v["position"] == first_pos]

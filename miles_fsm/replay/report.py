@@ -27,6 +27,7 @@ from miles_fsm.replay.model import EpochRange, TraceDirError
 from miles_fsm.replay.perfetto import check_output
 from miles_fsm.replay.read import read_ranks
 from miles_fsm.replay.runs import choose_run
+from miles_fsm.replay.shapes import RankEntry
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_OK", "EXIT_PROBLEM", "render", "replay"]
 
@@ -178,12 +179,12 @@ def _first_divergence(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
         add((None, f"  {where}: they differ in {', '.join(x['field'] for x in f['differences'])}"))
         for diff in f["differences"]:
             add((None, f"    {diff['field']}:"))
-            for g in diff["groups"]:
-                add((None, f"      {plural_ranks(g['ranks'])}: {_value(g['value'])}"))
-        g = f.get("guard_report")
-        if g is not None:
-            detail = f": {'; '.join(g['detail'])}" if g["detail"] else ""
-            add((None, f"    the guard caught it, on {g['field']}{detail}"))
+            for group in diff["groups"]:
+                add((None, f"      {plural_ranks(group['ranks'])}: {_value(group['value'])}"))
+        caught = f.get("guard_report")
+        if caught is not None:
+            detail = f": {'; '.join(caught['detail'])}" if caught["detail"] else ""
+            add((None, f"    the guard caught it, on {caught['field']}{detail}"))
         if not f["decided"]:
             add(("yellow", f"    {f['reason']}: suspect every rank of the differing groups "
                            f"({rank_ranges(f['culprits'])}), none is singled out"))
@@ -255,9 +256,8 @@ def _guard_failures(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
             if g["missing"]:
                 extra = f", naming rank(s) {rank_ranges(g['missing'])} as missing"
             elif g.get("field"):
-                extra = f", on {g['field']}" + (
-                    f" (suspects: {rank_ranges(g['culprits'])})" if g.get("culprits") else ""
-                )
+                culprits = g.get("culprits")
+                extra = f", on {g['field']}" + (f" (suspects: {rank_ranges(culprits)})" if culprits else "")
             add((None, f"  {g['transition']} (epoch {g['epoch']}): {g['error']} on {plural_ranks(g['ranks'])}{extra}"))
         _more(L, d.guard_failures)
 
@@ -311,8 +311,8 @@ def _trace_problems(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
         for b in tp["bad_lines"][:_LIST_LIMIT]:
             add((None, f"  {b['where']}: {b['reason']}, skipped: {b['text'][:60]!r}"))
         _more(L, tp["bad_lines"])
-        for b in tp["truncated"]:
-            add((None, f"  {b['where']}: truncated last line (the process stopped while writing it), skipped"))
+        for cut in tp["truncated"]:
+            add((None, f"  {cut['where']}: truncated last line (the process stopped while writing it), skipped"))
         for rank, n in list(tp["lost_records"].items())[:_LIST_LIMIT]:
             add((None, f"  rank {rank}: {n} record(s) missing by sequence number"))
         for path in tp["ignored"][:_LIST_LIMIT]:
@@ -325,11 +325,10 @@ def _trace_problems(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
 _SECTIONS = (_summary, _ranks, _first_divergence, _stopped, _verification, _failed_actions, _outside_failures,
              _guard_failures, _illegal, _stragglers, _trace_problems)
 
-def _rank_key(r: dict[str, Any]) -> tuple[str]:
-    status = r["status"]
-    if status == "missing":
+def _rank_key(r: RankEntry) -> tuple[str]:
+    if r["status"] == "missing":
         return ("no trace file",)
-    text = f"{status}, {r['state']}, epoch {r['epoch']}, {r['transitions']} transitions"
+    text = f"{r['status']}, {r['state']}, epoch {r['epoch']}, {r['transitions']} transitions"
     if "inside" in r:
         i = r["inside"]
         text += {
@@ -341,8 +340,12 @@ def _rank_key(r: dict[str, Any]) -> tuple[str]:
     if "error" in r:
         e = r["error"]
         text += f", {e['type']} in {e['action'] or 'guard'} of {e['transition']}"
-    text += {"clean": "", "unclean": ", trace closed on an error"}.get(r["closed"], ", no trace_closed (cut off)")
+    text += _CLOSED.get(r["closed"], ", no trace_closed (cut off)")
     return (text,)
+
+
+#: How a rank's trace was closed, in its line of the report (None: cut off).
+_CLOSED: dict[str | None, str] = {"clean": "", "unclean": ", trace closed on an error"}
 
 
 def _more(lines: list[tuple[str | None, str]], items: Sequence[Any]) -> None:

@@ -10,20 +10,30 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Literal
 
 from miles_fsm.replay.evidence import CORE_EVENTS
 from miles_fsm.replay.model import FINISHED, RankTrace
+from miles_fsm.replay.shapes import (
+    Accusation,
+    GuardFailure,
+    LocatedFault,
+    OutsideFailure,
+    StepFailure,
+    StoppedRank,
+    Straggler,
+)
 from miles_fsm.replay.stopped import cut_off, stopped_entry
 from miles_fsm.trace.schema import error_fields
 
+_Kind = Literal["lost", "timeout"]
 #: A failed collective's ``transport`` (judged by the writer) -> how it accuses the silent rank.
-_TRANSPORT = {"peer_lost": "lost", "timeout": "timeout"}
+_TRANSPORT: dict[str, _Kind] = {"peer_lost": "lost", "timeout": "timeout"}
 #: The lifecycle's own errors that accuse the ranks they name as ``missing``.
-_ERRORS = {"PeerLostError": "lost", "GuardTimeoutError": "timeout"}
+_ERRORS: dict[str, _Kind] = {"PeerLostError": "lost", "GuardTimeoutError": "timeout"}
 
 
-def accusing_kind(transport: str | None, error: str | None) -> str | None:
+def accusing_kind(transport: str | None, error: str | None) -> _Kind | None:
     """How a recorded failure accuses the ranks it names: ``lost``, ``timeout`` or None (it does not)."""
     return _TRANSPORT.get(transport or "") or _ERRORS.get(error or "")
 
@@ -38,9 +48,9 @@ def left_blaming_others(t: RankTrace) -> bool:
     return bool(named - {t.rank})
 
 
-def located(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
+def located(traces: Sequence[RankTrace]) -> list[LocatedFault]:
     """Faults that a driver or the demo located itself: records of their own with a ``culprits`` list."""
-    out = []
+    out: list[LocatedFault] = []
     for t in traces:
         for n in t.notes:
             culprits = n.record.get("culprits")
@@ -62,13 +72,13 @@ def located(traces: Sequence[RankTrace]) -> list[dict[str, Any]]:
 
 def accusations(
     traces: Sequence[RankTrace],
-    guard_failures: list[dict[str, Any]],
-    failures: list[dict[str, Any]],
-    located: list[dict[str, Any]],
-    outside: list[dict[str, Any]],
-) -> dict[int, list[dict[str, Any]]]:
+    guard_failures: list[GuardFailure],
+    failures: list[StepFailure],
+    located: list[LocatedFault],
+    outside: list[OutsideFailure],
+) -> dict[int, list[Accusation]]:
     """Who the surviving ranks' records blame for stopping, and how (lost connection, timeout, located)."""
-    accused: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    accused: dict[int, list[Accusation]] = defaultdict(list)
     for g in guard_failures:
         kind = _ERRORS.get(g["error"] or "")
         if kind is None:
@@ -79,7 +89,7 @@ def accusations(
                                "transition": g["transition"], "via": via})
     # A collective that failed on some ranks and left another silent mid-transition: the silent one.
     silent = {t.rank: t.open.index for t in traces if t.open is not None}
-    grouped: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
+    grouped: dict[tuple[int, _Kind], list[StepFailure]] = defaultdict(list)
     for f in failures:
         kind = _TRANSPORT.get(f["transport"] or "")
         if kind is not None:
@@ -94,15 +104,15 @@ def accusations(
                                    "transition": f["transition"], "via": via})
     # A failure outside any transition that lost its peer or timed out: the ranks it names, else the cut-off ones.
     cut = [t.rank for t in traces if cut_off(t) and t.state != "FAILED"]
-    for f in outside:
-        kind = accusing_kind(f["transport"], f["error"])
+    for o in outside:
+        kind = accusing_kind(o["transport"], o["error"])
         if kind is None:
             continue
-        via = f"its {f['event']} record" + (f" ({f['where']})" if f["where"] else "")
-        for r in f["culprits"] or cut:
-            if r != f["rank"]:
-                accused[r].append({"kind": kind, "by": [f["rank"]], "position": f["position"], "epoch": f["epoch"],
-                                   "transition": f["where"], "via": via})
+        via = f"its {o['event']} record" + (f" ({o['where']})" if o["where"] else "")
+        for r in o["culprits"] or cut:
+            if r != o["rank"]:
+                accused[r].append({"kind": kind, "by": [o["rank"]], "position": o["position"], "epoch": o["epoch"],
+                                   "transition": o["where"], "via": via})
     for loc in located:
         for c in loc["culprits"]:
             if c != loc["rank"]:
@@ -125,10 +135,10 @@ def stopped(
     traces: Sequence[RankTrace],
     by_rank: dict[int, RankTrace],
     missing: list[int],
-    guard_failures: list[dict[str, Any]],
-    accused: dict[int, list[dict[str, Any]]],
+    guard_failures: list[GuardFailure],
+    accused: dict[int, list[Accusation]],
     last_wall: float | None,
-) -> list[dict[str, Any]]:
+) -> list[StoppedRank]:
     """Ranks that stopped while others needed them: accused by survivors, or ending open or behind."""
     # Ranks waiting at a guard when their trace ends, or failed at one: they wait on someone.
     waiting: dict[int, int] = {}
@@ -169,7 +179,7 @@ def stopped(
 # -------------------------------------------------------------- stragglers
 
 
-def stragglers(traces: Sequence[RankTrace], ratio: float, floor_s: float) -> list[dict[str, Any]]:
+def stragglers(traces: Sequence[RankTrace], ratio: float, floor_s: float) -> list[Straggler]:
     """Per trigger: the rank with the most own work time (guard wait excluded) against the median."""
     import numpy as np
 
@@ -185,7 +195,7 @@ def stragglers(traces: Sequence[RankTrace], ratio: float, floor_s: float) -> lis
     ref = max(traces, key=lambda t: t.positions)
     triggers = np.array([ref.trigger_at(j) for j in range(ref.positions)], dtype=object)
     ranks = np.array([t.rank for t in traces])
-    out = []
+    out: list[Straggler] = []
     for trig in dict.fromkeys(triggers.tolist()):
         cols = np.nonzero(triggers == trig)[0]
         sub = work[:, cols]
@@ -196,7 +206,7 @@ def stragglers(traces: Sequence[RankTrace], ratio: float, floor_s: float) -> lis
         has = counted.any(axis=1)
         med = float(np.median(totals[has]))
         slow = int(np.argmax(np.where(has, totals, -np.inf)))
-        entry: dict[str, Any] = {
+        entry: Straggler = {
             "transition": trig,
             "instances": int(len(cols)),
             "slowest_rank": int(ranks[slow]),

@@ -14,6 +14,7 @@ from typing import Any
 from miles_fsm.ranks import plural_ranks
 from miles_fsm.replay.evidence import last_own_record, stopped_from_outside
 from miles_fsm.replay.model import RankTrace
+from miles_fsm.replay.shapes import Accusation, StopHow, StoppedRank
 from miles_fsm.trace.schema import TRANSITION_CANCELLED, TRANSITION_FINISHED, error_fields
 
 __all__ = ["cancelled_at", "cut_off", "stopped_entry"]
@@ -25,7 +26,7 @@ def cut_off(t: RankTrace) -> bool:
     return t.closed is None or stopped_from_outside(t) is not None
 
 
-def cancelled_at(t: RankTrace, position: int | None = None) -> dict | None:
+def cancelled_at(t: RankTrace, position: int | None = None) -> dict[str, Any] | None:
     """The ``transition_cancelled`` record of the rank's last position (or of ``position``), if it was one."""
     at = t.positions - 1 if position is None else position
     return next((n.record for n in reversed(t.notes) if n.event == TRANSITION_CANCELLED and n.position == at), None)
@@ -34,14 +35,14 @@ def cancelled_at(t: RankTrace, position: int | None = None) -> dict | None:
 def stopped_entry(
     r: int,
     t: RankTrace | None,
-    acc: list[dict[str, Any]],
+    acc: list[Accusation],
     waiters: list[int],
     traces: Sequence[RankTrace],
     last_wall: float | None,
     *,
     unread: bool = False,
     bound: float | None = None,
-) -> dict[str, Any]:
+) -> StoppedRank:
     """Rank ``r``, stopped: where it was, how it stopped and on what evidence, and a one-line summary.
 
     ``acc``: the accusations naming it; ``waiters``: the ranks waiting for it at a guard;
@@ -92,7 +93,7 @@ def stopped_entry(
     }
 
 
-def _where(t: RankTrace | None, at: dict[str, Any] | None, traces: Sequence[RankTrace], *,
+def _where(t: RankTrace | None, at: Accusation | None, traces: Sequence[RankTrace], *,
            unread: bool) -> tuple[str | None, int | None, int, str | None, str]:  # fmt: skip
     """Where the rank stopped: its state, epoch, position, transition, and a phrase for inside what."""
     if t is None:
@@ -132,8 +133,8 @@ def _between(t: RankTrace, done: str, transition: str | None) -> str:
     return inside
 
 
-def _judged(r: int, t: RankTrace | None, acc: list[dict[str, Any]], traces: Sequence[RankTrace],
-            stop: dict[str, Any] | None, silent: float | None, bound: float | None) -> tuple[str, str]:  # fmt: skip
+def _judged(r: int, t: RankTrace | None, acc: list[Accusation], traces: Sequence[RankTrace],
+            stop: dict[str, Any] | None, silent: float | None, bound: float | None) -> tuple[StopHow, str]:  # fmt: skip
     """How the rank stopped, and the evidence: ``_how``, unless nothing recorded tells a stop or a hang apart."""
     how, evidence = _how(r, t, acc)
     if how != "unknown" or acc or not (silent is None or bound is None or silent <= bound):
@@ -173,7 +174,7 @@ def _stop_cause(closed: dict[str, Any]) -> str:
     return "its launcher stopped it"
 
 
-def _how(r: int, t: RankTrace | None, acc: list[dict[str, Any]]) -> tuple[str, str]:
+def _how(r: int, t: RankTrace | None, acc: list[Accusation]) -> tuple[StopHow, str]:
     kinds = Counter(a["kind"] for a in acc)
     lost = [a for a in acc if a["kind"] == "lost"]
     timeout = [a for a in acc if a["kind"] == "timeout"]
@@ -189,9 +190,8 @@ def _how(r: int, t: RankTrace | None, acc: list[dict[str, Any]]) -> tuple[str, s
             f"({cancel.get('error') or 'a cancellation'}), so it entered no collective; {plural_ranks(waited)} "
             f"then failed at the guard waiting for it{also}"
         )
-    if t is not None and not cut_off(t) and waited:
+    if t is not None and (c := t.closed) is not None and not cut_off(t) and waited:
         # A rank that closed its trace did not crash: it left the lifecycle itself, on its own error or done.
-        c = t.closed
         own = "" if c.get("clean") is True else \
             f" on its own error, {c.get('error') or 'an error'}: {_first_line(c.get('message'))}"  # fmt: skip
         return "left", (

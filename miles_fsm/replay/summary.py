@@ -9,7 +9,18 @@ from typing import Any
 from miles_fsm.replay.checks import label
 from miles_fsm.replay.evidence import first_line
 from miles_fsm.replay.model import FAILED as OUT_FAILED
-from miles_fsm.replay.model import FINISHED, Damage, RankTrace
+from miles_fsm.replay.model import FINISHED, Damage, Illegal, RankTrace
+from miles_fsm.replay.shapes import (
+    BadLineEntry,
+    DamageEntry,
+    DuplicateEntry,
+    IllegalMove,
+    RankStatus,
+    RankSummary,
+    Scalar,
+    TraceProblems,
+    TruncatedEntry,
+)
 from miles_fsm.trace.schema import TRANSITION_FAILED
 
 __all__ = ["damage_json", "illegal_json", "rank_json", "trace_problems", "world_of"]
@@ -39,7 +50,7 @@ def _across_files(traces: Sequence[RankTrace], world: int) -> list[Damage]:
     return out
 
 
-def damage_json(d: Damage, rank: int | None) -> dict[str, Any]:
+def damage_json(d: Damage, rank: int | None) -> DamageEntry:
     return {"file": d.path, "rank": rank, "line": d.line, "records": d.records, "where": d.where, "reason": d.reason}
 
 
@@ -52,24 +63,24 @@ def trace_problems(
     warnings: Sequence[str] = (),
     world: int | None = None,
     damaged: Sequence[Damage] = (),
-) -> dict[str, Any]:
+) -> TraceProblems:
     """What is wrong with the files themselves: bad lines, lost and duplicate records, other runs' files,
     and damage that parses (``damaged``: the directory's own, such as look-alike names, then each file's)."""
     world = world_of(traces) if world is None else world
     damage = [damage_json(d, None) for d in damaged]
     damage += [damage_json(d, t.rank) for t in traces for d in [*t.damaged, *_across_files([t], world)]]
-    bad = [
+    bad: list[BadLineEntry] = [
         {"file": b.path, "line": b.line, "where": b.where, "reason": b.reason, "text": b.text}
         for t in traces
         for b in t.bad
     ]
-    truncated = [
+    truncated: list[TruncatedEntry] = [
         {"file": t.truncated.path, "line": t.truncated.line, "where": t.truncated.where, "rank": t.rank}
         for t in traces
         if t.truncated is not None
     ]
     lost = {str(t.rank): t.lost for t in traces if t.lost}
-    duplicates = [{"rank": t.rank, "file": t.path, "seq": d.seq, "line": d.line, "first_line": d.first_line}
+    duplicates: list[DuplicateEntry] = [{"rank": t.rank, "file": t.path, "seq": d.seq, "line": d.line, "first_line": d.first_line}
                   for t in traces for d in t.duplicates]  # fmt: skip
     warnings = list(warnings)
     for t in traces:
@@ -94,7 +105,7 @@ def trace_problems(
     }
 
 
-def illegal_json(i: Any) -> dict[str, Any]:
+def illegal_json(i: Illegal) -> IllegalMove:
     return {
         "rank": i.rank,
         "position": i.position,
@@ -107,7 +118,8 @@ def illegal_json(i: Any) -> dict[str, Any]:
     }
 
 
-def rank_json(t: RankTrace) -> dict[str, Any]:
+def rank_json(t: RankTrace) -> RankSummary:
+    status: RankStatus
     if t.open is not None:
         status = "open"
     elif t.state == "FAILED":
@@ -116,7 +128,7 @@ def rank_json(t: RankTrace) -> dict[str, Any]:
         status = "empty"
     else:
         status = "done"
-    out: dict[str, Any] = {
+    out: RankSummary = {
         "rank": t.rank,
         "file": t.path,
         "status": status,
@@ -153,6 +165,6 @@ def rank_json(t: RankTrace) -> dict[str, Any]:
     return out
 
 
-def _scalar(v: Any) -> Any:
+def _scalar(v: Any) -> Scalar:
     # trace_opened's own fields are shown as written, when they are plain values.
     return v if v is None or v.__class__ in (str, int, float, bool) else label(v)
