@@ -16,11 +16,14 @@ by length, so the lanes of one program do the same number of blocks.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Sequence
 
 import torch
+
+from miles_fsm.errors import ConfigError
 
 __all__ = ["LANES", "NUM_WARPS", "available", "chunk_digests"]
 
@@ -31,9 +34,14 @@ NUM_WARPS = 4
 _ALIGN = 16
 
 
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def available() -> bool:
-    """Whether CUDA tensors can be hashed on their device here (CUDA and Triton present)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+    """Whether CUDA tensors can be hashed on their device here (a CUDA device and Triton present)."""
+    return torch.cuda.device_count() > 0 and _has_triton()
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +59,7 @@ def chunk_digests(tensors: Sequence[torch.Tensor], chunk: int, *, lanes: int = L
     tests). An empty tensor has no chunk and gives ``b""``.
     """
     if chunk <= 0 or chunk % 64:
-        raise ValueError(f"chunk must be a positive multiple of 64 bytes, got {chunk}")
+        raise ConfigError([f"chunk must be a positive multiple of 64 bytes, got {chunk}"], "chunk_digests")
     flats = [_flat_bytes(t) for t in tensors]
     live = [i for i, f in enumerate(flats) if f.numel()]
     out: list[bytes] = [b""] * len(flats)
@@ -59,7 +67,7 @@ def chunk_digests(tensors: Sequence[torch.Tensor], chunk: int, *, lanes: int = L
         return out
     devices = {flats[i].device for i in live}
     if len(devices) != 1:
-        raise ValueError(f"chunk_digests takes tensors of one device, got {sorted(map(str, devices))}")
+        raise ConfigError([f"pass tensors of one device, got {sorted(map(str, devices))}"], "chunk_digests")
     device = devices.pop()
     base = min((flats[i] for i in live), key=lambda f: f.data_ptr())
     sizes = [flats[i].numel() for i in live]
