@@ -51,12 +51,13 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def chunk_digests(tensors: Sequence[torch.Tensor], chunk: int, *, lanes: int = LANES,
-                  num_warps: int = NUM_WARPS) -> list[bytes]:  # fmt: skip
+def chunk_digests(tensors: Sequence[torch.Tensor], chunk: int, *, lanes: int = LANES, num_warps: int = NUM_WARPS,
+                  maxnreg: int | None = None) -> list[bytes]:  # fmt: skip
     """Per tensor, the SHA-256 of each ``chunk``-byte piece of its bytes, concatenated (32 bytes each).
 
     All tensors must be on one device: CUDA, or the host under ``TRITON_INTERPRET=1`` (the
-    tests). An empty tensor has no chunk and gives ``b""``.
+    tests). An empty tensor has no chunk and gives ``b""``. ``lanes``, ``num_warps`` and
+    ``maxnreg`` (a register cap per thread) shape the launch: benchmarks/gpu_digest.py tries them.
     """
     if chunk <= 0 or chunk % 64:
         raise ConfigError([f"chunk must be a positive multiple of 64 bytes, got {chunk}"], "chunk_digests")
@@ -85,8 +86,9 @@ def chunk_digests(tensors: Sequence[torch.Tensor], chunk: int, *, lanes: int = L
     digests = torch.empty((total, 8), dtype=torch.int32, device=device)
     kernel = importlib.import_module("miles_fsm.digest_kernel").sha256_chunks
     grid = (-(-total // lanes),)
-    kernel[grid](base, word_off[order].contiguous(), nbytes[order].contiguous(), digests, total,
-                 LANES=lanes, num_warps=num_warps)  # fmt: skip
+    launch = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
+    kernel[grid](base, word_off[order].contiguous(), nbytes[order].contiguous(), digests, total, LANES=lanes,
+                 **launch)  # fmt: skip
     in_order = torch.empty_like(digests)
     in_order[order] = digests
     # The state words are numbers; a digest is their big-endian bytes.

@@ -116,7 +116,8 @@ def _compress(s0, s1, s2, s3, s4, s5, s6, s7, tile, LANES: tl.constexpr):
     return s0 + a, s1 + b, s2 + c, s3 + d, s4 + e, s5 + f, s6 + g, s7 + h
 
 
-@triton.jit
+# n_chunks varies call to call: specializing on it (divisible by 16 or not) would compile twice.
+@triton.jit(do_not_specialize=["n_chunks"])
 def sha256_chunks(base, word_off, nbytes, out, n_chunks, LANES: tl.constexpr):
     """SHA-256 of ``n_chunks`` byte ranges into ``out`` (``[n_chunks, 8]`` int32, the state words).
 
