@@ -16,6 +16,7 @@ by length, so the lanes of one program do the same number of blocks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -87,8 +88,10 @@ def chunk_digests(tensors: Sequence[torch.Tensor], chunk: int, *, lanes: int = L
     kernel = importlib.import_module("miles_fsm.digest_kernel").sha256_chunks
     grid = (-(-total // lanes),)
     launch = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
-    kernel[grid](base, word_off[order].contiguous(), nbytes[order].contiguous(), digests, total, LANES=lanes,
-                 **launch)  # fmt: skip
+    # Triton launches on the current device: make it the tensors' one.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kernel[grid](base, word_off[order].contiguous(), nbytes[order].contiguous(), digests, total, LANES=lanes,
+                     **launch)  # fmt: skip
     in_order = torch.empty_like(digests)
     in_order[order] = digests
     # The state words are numbers; a digest is their big-endian bytes.
