@@ -7,13 +7,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Literal
 
 from miles_fsm.errors import ConfigError
 
-__all__ = ["GuardConfig", "LifecycleConfig", "VerifyConfig", "ci_mode"]
+__all__ = ["AUTO_HOST_CYCLES", "GuardConfig", "LifecycleConfig", "VerifyConfig", "ci_mode"]
 
 #: A day: longer is a hang by any measure (and gloo overflows on inf).
 _MAX_TIMEOUT_S = 86400.0
+#: ``VerifyConfig(cycles="auto")`` verifies this many cycles where digests are hashed on the host.
+AUTO_HOST_CYCLES = 2
 
 
 def ci_mode() -> bool:
@@ -65,8 +68,13 @@ class VerifyConfig:
     """SHA256 verification of every tensor across an offload/wake cycle.
 
     ``cycles`` is how many cycles are verified from the start; None means
-    every cycle. ``CI=true`` in the environment also means every cycle,
-    unless ``ci_verifies_every_cycle`` is False (a benchmark that must time
+    every cycle. ``"auto"`` (the default) means every cycle where the
+    digests are hashed on the GPU (a CUDA host with Triton: the digest costs
+    a fraction of a percent of a cycle there), and the first
+    ``AUTO_HOST_CYCLES`` elsewhere, where the host hashes every byte. A
+    number limits verification to the first cycles on every host.
+    ``CI=true`` in the environment also means every cycle, unless
+    ``ci_verifies_every_cycle`` is False (a benchmark that must time
     unverified cycles).
 
     ``audit``: on verified cycles, compare the collectives each step really
@@ -76,23 +84,29 @@ class VerifyConfig:
     ``UndeclaredCollectiveError`` before the next transition.
     """
 
-    cycles: int | None = 2
+    cycles: int | None | Literal["auto"] = "auto"
     threads: int | None = None
     ci_verifies_every_cycle: bool = True
     audit: bool = True
 
     def __post_init__(self) -> None:
         problems = []
-        if self.cycles is not None and self.cycles < 0:
-            problems.append(f"cycles must be >= 0 or None, got {self.cycles!r}")
+        if self.cycles != "auto" and self.cycles is not None and (
+            not isinstance(self.cycles, int) or isinstance(self.cycles, bool) or self.cycles < 0
+        ):
+            problems.append(f"cycles must be an int >= 0, None or 'auto', got {self.cycles!r}")
         if self.threads is not None and self.threads < 1:
             problems.append(f"threads must be >= 1 or None, got {self.threads!r}")
         if problems:
             raise ConfigError(problems, "VerifyConfig")
 
-    def active(self, epoch: int) -> bool:
-        """Whether cycle ``epoch`` (1-based) is verified."""
-        return self.cycles is None or epoch <= self.cycles or (self.ci_verifies_every_cycle and ci_mode())
+    def active(self, epoch: int, *, on_device: bool = False) -> bool:
+        """Whether cycle ``epoch`` (1-based) is verified; ``on_device``: the digests are hashed on the GPU."""
+        if self.cycles == "auto":
+            limit = None if on_device else AUTO_HOST_CYCLES
+        else:
+            limit = self.cycles
+        return limit is None or epoch <= limit or (self.ci_verifies_every_cycle and ci_mode())
 
     def audits(self, epoch: int) -> bool:
         """Whether cycle ``epoch``'s steps are audited against their plans (always under CI)."""

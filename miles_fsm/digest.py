@@ -1,13 +1,18 @@
-"""Tensor digests for verification: chunked SHA256, hashed on every host core.
+"""Tensor digests for verification: chunked SHA256, on the GPU or on every host core.
 
-The digest of one tensor (``DIGEST_SCHEME``, "chunked-sha256/v1"):
+The digest of one tensor under a scheme of ``SCHEMES`` (``DIGEST_SCHEME``,
+"chunked-sha256/v2", by default):
 
 1. ``B``: the tensor's bytes in its own dtype, row-major (as ``.contiguous()``
    lays them out);
-2. cut ``B`` into chunks of ``CHUNK_BYTES`` (4 MiB); the last chunk may be
-   shorter, and an empty tensor has no chunk;
-3. ``digest = SHA256(SCHEME_TAG || u64le(CHUNK_BYTES) || u64le(len(B)) ||
-   SHA256(chunk_0) || SHA256(chunk_1) || ...)``, as hex.
+2. cut ``B`` into chunks of the scheme's chunk size (v1: 4 MiB, v2: 64 KiB);
+   the last chunk may be shorter, and an empty tensor has no chunk;
+3. ``digest = SHA256(TAG || u64le(chunk size) || u64le(len(B)) ||
+   SHA256(chunk_0) || SHA256(chunk_1) || ...)``, as hex, where ``TAG`` is
+   ``b"miles-fsm chunked-sha256 v1\x00"`` (``v2`` for v2).
+
+v2 differs from v1 only in its chunk size (and tag): a GPU fills its cores
+with one lane per chunk, and 4 MiB chunks leave too few lanes.
 
 A single SHA256 over a tensor is sequential, so one 400 MB embedding would
 take one core a fifth of a second. The chunk digests are independent, so a
@@ -16,8 +21,11 @@ over 2 KiB), and the root ties them back together: any changed byte changes
 its chunk's digest and so the root. The definition is the same for host and
 device tensors; only how the bytes reach the hashers differs:
 
+- CUDA tensors are hashed on their device (``miles_fsm.digest_device``, a
+  Triton kernel) where Triton is installed: only the chunk digests come
+  back, and the root is hashed here;
 - host tensors are hashed in place (zero-copy views);
-- CUDA tensors stream through a small ring of persistent pinned staging
+- otherwise (``on_device=False``, or no Triton) CUDA tensors stream through a small ring of persistent pinned staging
   slots: a copy stream moves one slot device-to-host while the hashers work
   on the slots already landed, so the copy and the hashing overlap and no
   pinned memory is allocated per call.
@@ -37,15 +45,18 @@ import struct
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import MappingProxyType
 from typing import cast
 
 import torch
 
-from miles_fsm.errors import MemoryReleasedError
+from miles_fsm import digest_device
+from miles_fsm.errors import ConfigError, MemoryReleasedError
 
 __all__ = [
     "CHUNK_BYTES",
     "DIGEST_SCHEME",
+    "SCHEMES",
     "StagingRing",
     "default_threads",
     "digest_tensors",
@@ -53,10 +64,12 @@ __all__ = [
     "tensor_sha256",
 ]
 
-DIGEST_SCHEME = "chunked-sha256/v1"
-#: The chunk size is part of the definition: change it and every digest changes.
+#: Scheme -> chunk size. The chunk size is part of the definition: change it and every digest
+#: changes, so a new size is a new scheme. Every chunk size divides ``CHUNK_BYTES``.
+SCHEMES: Mapping[str, int] = MappingProxyType({"chunked-sha256/v1": 4 << 20, "chunked-sha256/v2": 64 << 10})
+DIGEST_SCHEME = "chunked-sha256/v2"
+#: v1's chunk size, and the host's unit of work under every scheme (one hasher job, one staged piece).
 CHUNK_BYTES = 4 << 20
-_TAG = b"miles-fsm chunked-sha256 v1\x00"
 #: Below this many bytes in all, hashing inline beats starting a thread pool.
 _INLINE_BYTES = 8 << 20
 _ALIGN = 512
@@ -66,8 +79,20 @@ def default_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-def _root(nbytes: int, leaves: list[bytes]) -> str:
-    return hashlib.sha256(_TAG + struct.pack("<QQ", CHUNK_BYTES, nbytes) + b"".join(leaves)).hexdigest()
+def _chunk_of(scheme: str) -> int:
+    if scheme not in SCHEMES:
+        raise ConfigError([f"unknown digest scheme {scheme!r}: pass one of {sorted(SCHEMES)}"], "digest")
+    return SCHEMES[scheme]
+
+
+def _root(scheme: str, nbytes: int, leaves: list[bytes]) -> str:
+    tag = b"miles-fsm chunked-sha256 " + scheme.rsplit("/", 1)[1].encode() + b"\x00"
+    return hashlib.sha256(tag + struct.pack("<QQ", SCHEMES[scheme], nbytes) + b"".join(leaves)).hexdigest()
+
+
+def _leaves(data: memoryview, chunk: int) -> bytes:
+    """The chunk digests of ``data`` (a whole number of chunks, but for a tensor's last piece), joined."""
+    return b"".join(hashlib.sha256(data[a : a + chunk]).digest() for a in range(0, len(data), chunk))
 
 
 def _n_chunks(nbytes: int) -> int:
@@ -98,15 +123,14 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(arr).cast("B")
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """The chunked SHA256 of one tensor, on this thread (see the module docstring)."""
+def tensor_digest(t: torch.Tensor, *, scheme: str = DIGEST_SCHEME) -> str:
+    """The chunked SHA256 of one tensor, on this thread, on the host (see the module docstring)."""
+    chunk = _chunk_of(scheme)
     _check_resident(t)
     if t.device.type != "cpu":
         t = t.to("cpu")
     view = _host_bytes(t)
-    n = len(view)
-    leaves = [hashlib.sha256(view[a : a + CHUNK_BYTES]).digest() for a in range(0, n, CHUNK_BYTES)]
-    return _root(n, leaves)
+    return _root(scheme, len(view), [_leaves(view, chunk)])
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -117,16 +141,26 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(_host_bytes(t)).hexdigest()
 
 
-def digest_tensors(tensors: Mapping[str, torch.Tensor], *, threads: int | None = None) -> dict[str, str]:
-    """``tensor_digest`` of each named tensor; chunks are hashed on ``threads`` threads.
+def digest_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    threads: int | None = None,
+    scheme: str = DIGEST_SCHEME,
+    on_device: bool | None = None,
+) -> dict[str, str]:
+    """``tensor_digest`` of each named tensor under ``scheme``; the result keeps the mapping's order.
 
-    CUDA tensors go through the pinned staging ring of their device; host
-    tensors are hashed in place. The result keeps the mapping's order.
+    CUDA tensors are hashed on their device (``on_device``: None means where
+    ``digest_device.available()``), else through the pinned staging ring of
+    their device; host tensors are hashed in place. Host chunks are hashed on
+    ``threads`` threads.
     """
+    chunk = _chunk_of(scheme)
     n_threads = threads or default_threads()
     for t in tensors.values():
         _check_resident(t)
     names = list(tensors)
+    device_side = digest_device.available() if on_device is None else on_device
     leaves: dict[str, list[bytes | None]] = {}
     sizes: dict[str, int] = {}
     by_device: dict[torch.device, list[str]] = {}
@@ -143,39 +177,42 @@ def digest_tensors(tensors: Mapping[str, torch.Tensor], *, threads: int | None =
             host.append((name, view))
             sizes[name] = len(view)
         leaves[name] = [None] * _n_chunks(sizes[name])
-    total = sum(sizes.values())
+    if device_side:
+        for dev_names in by_device.values():
+            for name, joined in zip(dev_names, digest_device.chunk_digests([tensors[n] for n in dev_names], chunk),
+                                    strict=True):  # fmt: skip
+                leaves[name] = [joined]
+        by_device = {}
+    total = sum(sizes[name] for name, _ in host) + sum(sizes[n] for ns in by_device.values() for n in ns)
     if n_threads == 1 or (total <= _INLINE_BYTES and not by_device):
         for name, view in host:
-            leaves[name] = [hashlib.sha256(view[a : a + CHUNK_BYTES]).digest() for a in range(0, len(view), CHUNK_BYTES)]
+            leaves[name] = [_leaves(view, chunk)]
         for dev_names in by_device.values():
             for name in dev_names:
-                leaves[name] = [hashlib.sha256(c).digest() for c in _chunks(_host_bytes(tensors[name].to("cpu")))]
-        return _roots(names, sizes, leaves)
+                leaves[name] = [_leaves(_host_bytes(tensors[name].to("cpu")), chunk)]
+        return _roots(scheme, names, sizes, leaves)
     with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="miles-fsm-sha") as pool:
         futures: list[Future[None]] = []
         for name, view in host:
             slots = leaves[name]
             for i, a in enumerate(range(0, len(view), CHUNK_BYTES)):
-                futures.append(pool.submit(_leaf_into, slots, i, view[a : a + CHUNK_BYTES]))
+                futures.append(pool.submit(_leaf_into, slots, i, view[a : a + CHUNK_BYTES], chunk))
         for device, dev_names in by_device.items():
             ring = StagingRing.for_device(device)
-            futures.extend(ring.stream({n: tensors[n] for n in dev_names}, leaves, pool))
+            futures.extend(ring.stream({n: tensors[n] for n in dev_names}, leaves, pool, chunk=chunk))
         for f in futures:
             f.result()  # re-raises a hasher's error here
-    return _roots(names, sizes, leaves)
+    return _roots(scheme, names, sizes, leaves)
 
 
-def _roots(names: list[str], sizes: dict[str, int], leaves: dict[str, list[bytes | None]]) -> dict[str, str]:
+def _roots(scheme: str, names: list[str], sizes: dict[str, int],
+           leaves: dict[str, list[bytes | None]]) -> dict[str, str]:  # fmt: skip
     # Every leaf is hashed by now (each hasher finished, or re-raised its error): none is still None.
-    return {name: _root(sizes[name], cast("list[bytes]", leaves[name])) for name in names}
+    return {name: _root(scheme, sizes[name], cast("list[bytes]", leaves[name])) for name in names}
 
 
-def _chunks(view: memoryview) -> list[memoryview]:
-    return [view[a : a + CHUNK_BYTES] for a in range(0, len(view), CHUNK_BYTES)]
-
-
-def _leaf_into(slots: list[bytes | None], i: int, data: memoryview) -> None:
-    slots[i] = hashlib.sha256(data).digest()
+def _leaf_into(slots: list[bytes | None], i: int, data: memoryview, chunk: int) -> None:
+    slots[i] = _leaves(data, chunk)
 
 
 class StagingRing:
@@ -220,22 +257,26 @@ class StagingRing:
         tensors: Mapping[str, torch.Tensor],
         leaves: dict[str, list[bytes | None]],
         pool: ThreadPoolExecutor,
+        *,
+        chunk: int = CHUNK_BYTES,
     ) -> list[Future[None]]:
-        """Copy ``tensors`` through the ring and hash each chunk into ``leaves`` on ``pool``.
+        """Copy ``tensors`` through the ring and hash each ``chunk``-byte chunk into ``leaves`` on ``pool``.
 
         Pieces of several tensors share a slot; a tensor larger than what is
-        left of a slot is split at a chunk boundary, so every chunk lands
-        whole in one slot. Returns when every copy is issued and every chunk
+        left of a slot is split at a ``CHUNK_BYTES`` boundary, so every chunk
+        lands whole in one slot; ``leaves[name][i]`` holds the joined digests
+        of the tensor's ``i``-th ``CHUNK_BYTES`` piece. Returns when every copy is issued and every chunk
         is queued; the caller waits on the futures.
         """
         with self._lock:
-            return self._stream_locked(tensors, leaves, pool)
+            return self._stream_locked(tensors, leaves, pool, chunk)
 
     def _stream_locked(
         self,
         tensors: Mapping[str, torch.Tensor],
         leaves: dict[str, list[bytes | None]],
         pool: ThreadPoolExecutor,
+        chunk: int,
     ) -> list[Future[None]]:
         free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(len(self._slots)):
@@ -261,7 +302,7 @@ class StagingRing:
             countdown = _Countdown(len(jobs), functools.partial(free.put, slot))
             buf = self._slots[slot]
             for name, index, off, n in jobs:
-                futures.append(pool.submit(_hash_staged, event, buf, off, n, leaves[name], index, countdown))
+                futures.append(pool.submit(_hash_staged, event, buf, off, n, chunk, leaves[name], index, countdown))
             slot, used, pieces = -1, 0, []
 
         with torch.cuda.device(self.device):
@@ -311,12 +352,13 @@ def _hash_staged(
     buf: torch.Tensor,
     off: int,
     n: int,
+    chunk: int,
     slots: list[bytes | None],
     index: int,
     countdown: _Countdown,
 ) -> None:
     try:
         event.synchronize()  # releases the GIL while the copy lands
-        slots[index] = hashlib.sha256(_host_bytes(buf[off : off + n])).digest()
+        slots[index] = _leaves(_host_bytes(buf[off : off + n]), chunk)
     finally:
         countdown.tick()

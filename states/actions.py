@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from miles_fsm import digest_device
 from miles_fsm.config import VerifyConfig
-from miles_fsm.digest import digest_tensors
+from miles_fsm.digest import DIGEST_SCHEME, digest_tensors
 from miles_fsm.plan import TensorSet
 from miles_fsm.states.definition import Side, State, Step, StepKind, Trigger
 from miles_fsm.states.errors import TensorSetChangedError, VerificationError, WeightVersionError
@@ -81,7 +82,7 @@ class Actions:
         return self._recorded[0] if self._recorded is not None else None
 
     def verifies(self, epoch: int) -> bool:
-        return self._verify_config.active(epoch)
+        return self._verify_config.active(epoch, on_device=digest_device.available())
 
     def pause_memory(self, step: Step, epoch: int) -> None:
         self.memory[step.side].pause(step.tags)
@@ -126,7 +127,7 @@ class Actions:
             raise
         self._recorded = None
         self._tracer.emit(VERIFIED, epoch=epoch, trigger=Trigger.RESUME.value, state=State.SYNCED.value,
-                          tensors=len(after))  # fmt: skip
+                          tensors=len(after), scheme=DIGEST_SCHEME)  # fmt: skip
 
     def push_weights(self, step: Step, epoch: int) -> StepReport | None:
         engine = self._engine
@@ -151,7 +152,7 @@ class Actions:
 
     def _trace_failed(self, exc: VerificationError, epoch: int, trigger: Trigger, state: State) -> None:
         self._tracer.emit(VERIFY_FAILED, epoch=epoch, trigger=trigger.value, state=state.value,
-                          tensors=list(exc.mismatched), where=exc.where)  # fmt: skip
+                          tensors=list(exc.mismatched), where=exc.where, scheme=DIGEST_SCHEME)  # fmt: skip
 
 
 def _compare_served(engine: str, epoch: int, served: Mapping[str, str], pushed: Mapping[str, str]) -> None:

@@ -9,25 +9,32 @@ import struct
 import pytest
 import torch
 
-from miles_fsm.digest import CHUNK_BYTES, DIGEST_SCHEME, digest_tensors, tensor_digest
+from miles_fsm.digest import CHUNK_BYTES, DIGEST_SCHEME, SCHEMES, digest_tensors, tensor_digest
 from miles_fsm.errors import MemoryReleasedError
 
 
-def _by_definition(data: bytes) -> str:
+def _by_definition(data: bytes, chunk: int, version: bytes) -> str:
     """The digest exactly as the module docstring defines it."""
-    leaves = b"".join(hashlib.sha256(data[a : a + CHUNK_BYTES]).digest() for a in range(0, len(data), CHUNK_BYTES))
-    return hashlib.sha256(b"miles-fsm chunked-sha256 v1\x00" + struct.pack("<QQ", CHUNK_BYTES, len(data)) + leaves).hexdigest()
+    leaves = b"".join(hashlib.sha256(data[a : a + chunk]).digest() for a in range(0, len(data), chunk))
+    tag = b"miles-fsm chunked-sha256 " + version + b"\x00"
+    return hashlib.sha256(tag + struct.pack("<QQ", chunk, len(data)) + leaves).hexdigest()
 
 
-def test_digest_follows_the_documented_definition():
-    """A 3-chunk tensor, a 1-chunk one and an empty one hash as SHA256(tag, sizes, chunk digests)."""
-    assert DIGEST_SCHEME == "chunked-sha256/v1"
+@pytest.mark.parametrize(("scheme", "chunk", "version"), [("chunked-sha256/v1", 4 << 20, b"v1"),
+                                                          ("chunked-sha256/v2", 64 << 10, b"v2")])  # fmt: skip
+def test_digest_follows_the_documented_definition(scheme, chunk, version):
+    """A 3-chunk tensor, a 1-chunk one and an empty one hash as SHA256(tag, sizes, chunk digests), under
+    both schemes, on one thread and on the pool; v2 (the default) differs from v1 by its chunk and tag."""
+    assert DIGEST_SCHEME == "chunked-sha256/v2" and SCHEMES[scheme] == chunk
     g = torch.Generator().manual_seed(0)
     big = torch.randint(0, 256, (2 * CHUNK_BYTES + 12345,), dtype=torch.uint8, generator=g)
     small = torch.randn(33, 7, generator=g).bfloat16()
-    for t in (big, small, torch.empty(0)):
+    tensors = {"big": big, "small": small, "empty": torch.empty(0)}
+    pooled = digest_tensors(tensors, threads=3, scheme=scheme)
+    for name, t in tensors.items():
         data = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        assert tensor_digest(t) == _by_definition(data)
+        assert tensor_digest(t, scheme=scheme) == pooled[name] == _by_definition(data, chunk, version)
+    assert digest_tensors(tensors, threads=1, scheme=scheme) == pooled
 
 
 def test_thread_count_and_layout_do_not_change_digests():

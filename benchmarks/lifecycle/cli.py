@@ -91,6 +91,11 @@ def _version(name: str) -> str | None:
         return None
 
 
+def _verified(text: str) -> int | str:
+    """``--verified``: a count of cycles, or ``all``."""
+    return "all" if text == "all" else _at_least(0)(text)
+
+
 def _at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -109,8 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--strategies", nargs="+", default=["rematerialize", "backup"])
     p.add_argument("--cycles", type=_at_least(1), default=4, help="lifecycle cycles per strategy (default 4)")
-    p.add_argument("--verified", type=_at_least(0), default=2,
-                   help="cycles verified by SHA256 from the start (default 2)")
+    p.add_argument("--verified", type=_verified, default=2,
+                   help="cycles verified by SHA256 from the start (default 2), or 'all' for every cycle")
     p.add_argument("--no-demo", action="store_true", help="CPU: skip the demo overhead measurement")
     g = p.add_argument_group("CUDA model (megatron GPT)")
     g.add_argument("--layers", type=int, default=28)

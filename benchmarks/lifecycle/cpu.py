@@ -39,7 +39,8 @@ def _cpu_rank(ctx: Any) -> dict[str, Any]:
             trainer=trainer,
             config=LifecycleConfig(
                 guard=GuardConfig(timeout_s=60),
-                verify=VerifyConfig(cycles=kw["verified"], ci_verifies_every_cycle=False),
+                verify=VerifyConfig(cycles=None if kw["verified"] == "all" else kw["verified"],
+                                    ci_verifies_every_cycle=False),
                 trace_dir=trace_dir,
             ),
             guard=Guard.from_default_group(timeout_s=60),

@@ -35,12 +35,25 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         entry["max_guard_trace_fraction"] = fractions
         entry["transitions_median_s"] = {n: statistics.median(c["transitions"][n]["s"] for c in steady) for n in CYCLE}
         entry["host_bytes"] = data["host_bytes"]
+        verified = [c for c in cycles if c["verified"] and c.get("verify_share") is not None]
+        if verified:  # the share of a whole verified cycle (train step + transitions) that verification takes
+            entry["verification_share"] = {
+                "cycles": len(verified),
+                "median": statistics.median(c["verify_share"] for c in verified),
+                "max": max(c["verify_share"] for c in verified),
+                "median_of_transitions": statistics.median(c["verify_share_of_transitions"] for c in verified),
+                "median_verify_s": statistics.median(c["verify_s"] for c in verified),
+                "median_cycle_s": statistics.median(c["cycle_s"] for c in verified),
+            }
         summary[strategy] = entry
     v = result["run"]["verification"]
     summary["verification"] = {k: v[k] for k in ("bytes", "pipelined_GBps", "naive_per_tensor_GBps",
                                                  "threaded_per_tensor_GBps", "speedup_vs_naive", "stable")}
     if "speedup_vs_naive_per_round" in v:  # absent from results written before issue 18
         summary["verification"]["speedup_vs_naive_per_round"] = v["speedup_vs_naive_per_round"]
+    for key in ("device_GBps", "device_vs_pipelined", "scheme"):  # the device digest: issue 27, CUDA only
+        if key in v:
+            summary["verification"][key] = v[key]
     if "demo" in result:
         summary["demo_max_guard_trace_fraction"] = {
             label: {t: row["max_guard_trace_fraction"] for t, row in d["transitions"].items()}
@@ -71,10 +84,16 @@ def summary_table(summary: dict[str, Any]) -> Any:
             e = entry[phase]
             table.add_row(f"{strategy} {phase}", f"{e['median_s']:.3f}", _num(e["median_GBps"]), _num(e["vs_limit"]),
                           f"{worst:.4f}")  # fmt: skip
+        if "verification_share" in entry:
+            share = entry["verification_share"]
+            table.add_row(f"{strategy} verification / verified cycle", f"{share['median_verify_s']:.3f}", "",
+                          f"{share['median']:.2%} (max {share['max']:.2%})", "")  # fmt: skip
     v = summary["verification"]
     ratio = v.get("speedup_vs_naive_per_round")
     span = f" [{ratio['min']:.2f}..{ratio['max']:.2f}]" if ratio else ""
     table.add_row("verify, pipelined", "", _num(v["pipelined_GBps"]), "", "")
+    if "device_GBps" in v:
+        table.add_row("verify, on the device", "", _num(v["device_GBps"]), f"{v['device_vs_pipelined']:.1f}x", "")
     table.add_row("verify, naive per tensor", "", _num(v["naive_per_tensor_GBps"]), "", "")
     table.add_row("verify, pipelined / naive", f"{v['speedup_vs_naive']:.2f}x" + span.replace("[", "\\["), "",
                   "", "")  # fmt: skip

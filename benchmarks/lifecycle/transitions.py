@@ -79,3 +79,17 @@ def phase(
         "limit_GBps": limit_GBps,
         "vs_limit": gbps / limit_GBps if gbps is not None and limit_GBps else None,
     }
+
+
+def verification_share(cycle: Mapping[str, Any]) -> dict[str, Any]:
+    """What verification costs a cycle: its steps' seconds, against the whole cycle (the train step
+    and the five transitions) and against the transitions alone."""
+    verify_s = sum(t["verify_s"] for t in cycle["transitions"].values())
+    transitions_s = sum(t["s"] for t in cycle["transitions"].values())
+    cycle_s = cycle.get("train_s", 0.0) + transitions_s
+    return {
+        "verify_s": verify_s,
+        "cycle_s": cycle_s,
+        "verify_share": verify_s / cycle_s if cycle_s > 0 else None,
+        "verify_share_of_transitions": verify_s / transitions_s if transitions_s > 0 else None,
+    }

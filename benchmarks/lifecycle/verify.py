@@ -31,26 +31,32 @@ def _threaded_per_tensor(tensors: Mapping[str, Any], threads: int) -> dict[str, 
 
 
 def verification_bench(tensors: Mapping[str, Any], *, threads: int, sync: Any, rounds: int = 3) -> dict[str, Any]:
-    """The three digest paths over the same tensors, timed in the same run, each treated alike.
+    """The digest paths over the same tensors, timed in the same run, each treated alike: the host
+    pipeline (staging ring + every core), the per-tensor paths it replaced, and, for CUDA tensors
+    where Triton is installed, the device digest (``miles_fsm.digest_device``).
 
     Every path gets one untimed warm-up run, then ``rounds`` timed runs; in
     each round every path runs once, in an order that rotates from round to
     round. A path's figure is its median; each ratio is per round.
     """
+    from miles_fsm import digest_device
     from miles_fsm.digest import DIGEST_SCHEME, digest_tensors, tensor_digest
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     first = next(iter(tensors))
     t0 = time.perf_counter()
-    digest_tensors({first: tensors[first]}, threads=threads)  # staging ring, allocated once per process
+    digest_tensors({first: tensors[first]}, threads=threads, on_device=False)  # the staging ring, once a process
     warm_s = time.perf_counter() - t0
     out: dict[str, Any] = {"scheme": DIGEST_SCHEME, "bytes": nbytes, "tensors": len(tensors), "threads": threads,
                            "first_call_setup_s": warm_s, "rounds": rounds}
     paths = {
-        "pipelined": lambda: digest_tensors(tensors, threads=threads),
+        "pipelined": lambda: digest_tensors(tensors, threads=threads, on_device=False),
         "naive_per_tensor": lambda: _naive_digests(tensors),
         "threaded_per_tensor": lambda: _threaded_per_tensor(tensors, threads),
     }
+    on_gpu = digest_device.available() and tensors[first].device.type == "cuda"
+    if on_gpu:
+        paths["device"] = lambda: digest_tensors(tensors, threads=threads, on_device=True)
     results = {name: fn() for name, fn in paths.items()}  # the warm-up, alike for every path
     times: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
@@ -72,6 +78,10 @@ def verification_bench(tensors: Mapping[str, Any], *, threads: int, sync: Any, r
     out["speedup_vs_threaded_per_round"] = ratio_spread(times["threaded_per_tensor"], times["pipelined"])
     out["speedup_vs_naive"] = out["speedup_vs_naive_per_round"]["median"]
     out["speedup_vs_threaded"] = out["speedup_vs_threaded_per_round"]["median"]
+    if on_gpu:
+        out["device_vs_pipelined_per_round"] = ratio_spread(times["pipelined"], times["device"])
+        out["device_vs_pipelined"] = out["device_vs_pipelined_per_round"]["median"]
+        out["device_matches_pipelined"] = results["device"] == results["pipelined"]
     # The pipelined (device) path must give the definition's digest, computed here on the host.
     largest = max(tensors, key=lambda n: tensors[n].numel() * tensors[n].element_size())
     sample = list(dict.fromkeys([*list(tensors)[:3], largest]))

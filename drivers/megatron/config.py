@@ -66,8 +66,10 @@ class MegatronDriverConfig:
     #: Params outside every DDP buffer (e.g. frozen ones) that the user accepts
     #: to keep a full host copy of; rematerialize refuses any other such param.
     extra_params: tuple[str, ...] = ()
-    #: SHA256 over the first N cycles (the seed's 2); ``ci`` verifies every cycle.
-    verify_cycles: int = 2
+    #: SHA256 over the first N cycles (the seed's 2), None for every cycle, or ``"auto"``: every cycle
+    #: where the digests are hashed on the GPU, the first 2 elsewhere (``VerifyConfig``); ``ci``
+    #: verifies every cycle.
+    verify_cycles: int | None | Literal["auto"] = "auto"
     ci: bool = field(default_factory=ci_mode)
     #: Pin host copies (only possible, and only useful, with CUDA tensors).
     pin_memory: bool = True
@@ -95,8 +97,8 @@ class MegatronDriverConfig:
 
     def _field_problems(self) -> Sequence[str]:
         out = []
-        if self.verify_cycles < 0:
-            out.append(f"verify_cycles must be >= 0, got {self.verify_cycles}")
+        if isinstance(self.verify_cycles, int) and self.verify_cycles < 0:
+            out.append(f"verify_cycles must be >= 0, None or 'auto', got {self.verify_cycles}")
         if self.independent_dp_cells < 1:
             out.append(f"independent_dp_cells must be >= 1, got {self.independent_dp_cells}")
         if self.critic_only_steps < 0:
@@ -156,7 +158,7 @@ class MegatronDriverConfig:
 
     @property
     def verify(self) -> VerifyConfig:
-        """The lifecycle's SHA256 verification: every cycle under CI, else the first N."""
+        """The lifecycle's SHA256 verification: every cycle under CI, else as ``verify_cycles`` says."""
         return VerifyConfig(cycles=None if self.ci else self.verify_cycles)
 
     @property
