@@ -149,6 +149,9 @@ def run_cycle(ctx: Context, lc: Any, trainer: Any, engine: Any, *, profile: bool
     phases = ctx.timer.take()
     torch.cuda.empty_cache()
     free_paused = _free()
+    # Read now, while PAUSED: which trainer tags are resident is the point (the H200 smoke run read it after
+    # resume, and so saw every tag resident).
+    memory = _memory(ctx, free_training, free_paused)
     checks = _paused_checks(ctx, reference)
     t0 = time.perf_counter()
     checks["wrong_conversions"] = _wrong_checks(ctx, copies, checks["logprobs"])
@@ -156,7 +159,7 @@ def run_cycle(ctx: Context, lc: Any, trainer: Any, engine: Any, *, profile: bool
     del copies
     results += [lc.rematerialize(), lc.sync(), lc.resume()]
     return _cycle_row(ctx, lc, trainer, engine, results, loss, marks, phases, checks,
-                      _memory(ctx, free_training, free_paused), profiled)  # fmt: skip
+                      memory, profiled)  # fmt: skip
 
 
 def _cycle_row(ctx: Context, lc: Any, trainer: Any, engine: Any, results: list[Any], loss: float,
