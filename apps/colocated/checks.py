@@ -12,7 +12,7 @@ Llama holds them (``qkv_proj``, ``gate_up_proj`` fused), the layout its
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from miles_fsm.apps.colocated.config import Tolerance
 from miles_fsm.drivers.errors import EngineRequestError
@@ -56,7 +56,8 @@ def input_logprobs(engine: str, body: Any, ids: Sequence[Sequence[int]]) -> list
         if out[i] is not None:
             raise EngineRequestError(engine=engine, op="generate(return_logprob)", status=200,
                                      message=f"answer {n} repeats prompt {i}")  # fmt: skip
-        out[i] = [float(r[0]) for r in rows[1:]]  # type: ignore[index]
+        # _rows_problem found none: ``rows`` is a list of [logprob, id, text] rows.
+        out[i] = [float(r[0]) for r in cast("list[list[Any]]", rows)[1:]]
     return [row for row in out if row is not None]
 
 
@@ -121,9 +122,9 @@ def engine_layout(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.
             out[name] = t
             continue
         fused, members = part_of[local]
-        parts = [by_name.get(base + m) for m in members]
-        if local == members[0] and all(p is not None for p in parts):
-            out[base + fused] = torch.cat(parts, dim=0)  # type: ignore[arg-type]
+        parts = [by_name[base + m] for m in members if base + m in by_name]
+        if local == members[0] and len(parts) == len(members):
+            out[base + fused] = torch.cat(parts, dim=0)
     return out
 
 

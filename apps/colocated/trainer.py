@@ -160,14 +160,15 @@ class PushTrainer(MegatronTrainer):
         self._timer = timer
         self.pushed_bytes = 0
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:  # type: ignore[override]
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._require_resident("push weights", ("param_buffer",))
         with self._timer.phase("convert" + (" + copy" if self._copy else "")):
             out = [(n, t.detach().clone() if self._copy else t.detach())
                    for n, t in iter_hf_weights(self.chunks[0], vocab=self._vocab)]  # fmt: skip
             torch.cuda.synchronize()
         self.pushed_bytes = sum(t.numel() * t.element_size() for _, t in out)
-        return out
+        # Converted (and timed) in full before the first is handed out, so the push's phases stay apart.
+        return iter(out)
 
 
 #: The weights each deliberate mistake changes, and the ones its fused engine weight also needs.
