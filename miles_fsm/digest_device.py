@@ -36,7 +36,9 @@ _ALIGN = 16
 
 
 @functools.cache
+@functools.cache
 def _has_triton() -> bool:
+    # Asked on every guarded transition (Actions.verifies): the import system is searched once a process.
     return importlib.util.find_spec("triton") is not None
 
 
