@@ -14,6 +14,7 @@ from miles_fsm.drivers.reference.engine import EngineConfig, ReferenceEngine
 from miles_fsm.drivers.reference.trainer import ReferenceTrainer, TrainerConfig
 from miles_fsm.errors import ConfigError
 from miles_fsm.memory_drift import DriftTracker
+from miles_fsm.replay.report import replay, report_lines
 from miles_fsm.states import State, Strategy
 from miles_fsm.states.drift import MemoryDriftWarning
 from miles_fsm.states.errors import MemoryDriftError
@@ -71,6 +72,8 @@ def test_no_false_positive_over_50_healthy_cycles(strategy, tmp_path):
     assert len(snaps) >= 50 * 5 and not [r for r in records if r["event"] == MEMORY_DRIFT]
     paused = [r for r in snaps if r["state"] == State.PAUSED.value]
     assert paused[-1]["device"]["param_buffer"] == 0 and paused[-1]["rss"] > 0  # the actor's memory is released
+    d = replay(str(tmp_path))
+    assert d.leaks == [] and d.exit_code == 0
 
 
 def test_raise_names_rank_tag_state_and_slope():
@@ -101,6 +104,14 @@ def test_warn_warns_and_traces(tmp_path):
     records = [json.loads(line) for line in next(tmp_path.glob("rank-*.jsonl")).read_text().splitlines()]
     drifts = [r for r in records if r["event"] == MEMORY_DRIFT]
     assert drifts[0]["tag"] == "stash" and drifts[0]["kind"] == "host" and drifts[0]["first_cycle"] == 4
+    # Replay finds it from the snapshots alone, beside a verdict that stays ok, and exits 3.
+    d = replay(str(tmp_path))
+    assert d.verdict == "ok" and d.exit_code == 3
+    leak = next(k for k in d.leaks if k["tag"] == "stash")
+    assert (leak["rank"], leak["kind"], leak["first_cycle"]) == (0, "host", 4)
+    assert leak["slope"] == pytest.approx(2 * MiB) and d.to_json()["leaks"][0]["rank"] == 0
+    text = "\n".join(t for _, t in report_lines(d))
+    assert "Leaks (" in text and "rank 0: host memory under 'stash'" in text
 
 
 def test_tracker_fits_the_slope_and_skips_warmup():
