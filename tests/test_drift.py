@@ -110,6 +110,11 @@ def test_warn_warns_and_traces(tmp_path):
     leak = next(k for k in d.leaks if k["tag"] == "stash")
     assert (leak["rank"], leak["kind"], leak["first_cycle"]) == (0, "host", 4)
     assert leak["slope"] == pytest.approx(2 * MiB) and d.to_json()["leaks"][0]["rank"] == 0
+    out = tmp_path.parent / f"{tmp_path.name}.perfetto.json"
+    replay(str(tmp_path), perfetto=str(out))
+    counters = [e for e in json.loads(out.read_text())["traceEvents"] if e.get("ph") == "C"]
+    host = [e["args"]["stash"] for e in counters if e["name"] == "host memory (MiB)" and "stash" in e["args"]]
+    assert host and host[-1] > host[0] and {e["name"] for e in counters} >= {"device memory (MiB)", "rss memory (MiB)"}
     text = "\n".join(t for _, t in report_lines(d))
     assert "Leaks (" in text and "rank 0: host memory under 'stash'" in text
 
