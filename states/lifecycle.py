@@ -125,6 +125,8 @@ class Lifecycle:
             )
             for t in DEFINITION.transitions
         }  # fmt: skip
+        self._drift = DriftMonitor(config=self._config.drift, rank=self._guard.rank, trainer=trainer, engine=engine,
+                                   tracer=tracer)  # fmt: skip
         self._machine: Machine[State, Trigger] = Machine(
             definition=DEFINITION,
             planner=self._plan,
@@ -133,8 +135,7 @@ class Lifecycle:
             tracer=tracer,
             probe=trainer.memory_in_use,
             timeout_for=self._config.guard.timeout_for,
-            on_commit=DriftMonitor(config=self._config.drift, rank=self._guard.rank, trainer=trainer, engine=engine,
-                                   tracer=tracer).observe,
+            on_commit=self._drift.observe,
             on_failure=lambda f: self.dump_flight_recorder(trigger=f.trigger.value, epoch=f.epoch, step=f.step,
                                                            error=type(f.error).__name__),
         )
@@ -206,6 +207,7 @@ class Lifecycle:
 
     rank = property(lambda self: self._guard.rank, doc="This rank's number.")
     world = property(lambda self: self._guard.world, doc="How many ranks.")
+    drift = property(lambda self: self._drift, doc="The memory drift check: its snapshots and findings (states/drift.py).")
 
     @property
     def failure(self) -> Failure | None:

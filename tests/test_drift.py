@@ -152,3 +152,22 @@ def test_growth_within_tolerance_is_not_drift():
 def test_config_refuses_bad_values(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
         DriftConfig(**kwargs)
+
+
+@pytest.mark.slow
+def test_demo_leak_is_named_live_and_by_replay(tmp_path, assert_no_leftovers):
+    """``leak:1:2`` on two gloo ranks: the live check and replay both name rank 1 and the leak's tag."""
+    from miles_fsm.apps.demo import run_demo
+    from miles_fsm.apps.demo.config import DemoConfig, Injection
+    from miles_fsm.apps.demo.faults import LEAK_BYTES, LEAK_TAG
+
+    result = run_demo(DemoConfig(ranks=2, steps=5, trace_dir=tmp_path / "traces",
+                                 injections=(Injection(kind="leak", rank=1, step=2),)))  # fmt: skip
+    assert result.ok
+    live = [(f["rank"], f["kind"], f["tag"]) for f in result.drift()]
+    assert (1, "host", LEAK_TAG) in live and all(r == 1 for r, _, _ in live)  # the healthy rank: nothing
+    d = replay(str(tmp_path / "traces"))
+    named = {(k["rank"], k["tag"]) for k in d.leaks}
+    assert (1, LEAK_TAG) in named and all(r == 1 for r, _ in named) and d.exit_code == 3
+    leak = next(k for k in d.leaks if k["tag"] == LEAK_TAG)
+    assert leak["bytes_per_cycle"] == LEAK_BYTES and leak["slope"] == pytest.approx(LEAK_BYTES)
