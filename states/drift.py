@@ -50,11 +50,15 @@ class TaggedMemory(Protocol):
         ...
 
 
+_statm: list[int] = []  # (pid, fd): kept open per process, so a snapshot costs one pread, not an open
+
+
 def process_rss() -> int | None:
     """This process's resident set size in bytes (one read of ``/proc/self/statm``); None where unknown."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
+        if not _statm or _statm[0] != os.getpid():  # a forked child must not read its parent's statm
+            _statm[:] = [os.getpid(), os.open("/proc/self/statm", os.O_RDONLY)]
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
     except (OSError, IndexError, ValueError):
         return None
 
