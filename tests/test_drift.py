@@ -20,6 +20,7 @@ from miles_fsm.states.drift import MemoryDriftWarning
 from miles_fsm.states.errors import MemoryDriftError
 from miles_fsm.states.lifecycle import Lifecycle
 from miles_fsm.trace.schema import MEMORY_DRIFT, MEMORY_SNAPSHOT
+from test_replay import check_chrome_trace
 
 MiB = 1 << 20
 
@@ -112,6 +113,7 @@ def test_warn_warns_and_traces(tmp_path):
     assert leak["slope"] == pytest.approx(2 * MiB) and d.to_json()["leaks"][0]["rank"] == 0
     out = tmp_path.parent / f"{tmp_path.name}.perfetto.json"
     replay(str(tmp_path), perfetto=str(out))
+    check_chrome_trace(out)
     counters = [e for e in json.loads(out.read_text())["traceEvents"] if e.get("ph") == "C"]
     host = [e["args"]["stash"] for e in counters if e["name"] == "host memory (MiB)" and "stash" in e["args"]]
     assert host and host[-1] > host[0] and {e["name"] for e in counters} >= {"device memory (MiB)", "rss memory (MiB)"}

@@ -334,7 +334,7 @@ def _memory_counters(rec: Mapping[str, Any], ts: float, tx: _Track) -> None:
             args = {str(tag): v / 2**20 for tag, v in values.items() if isinstance(v, (int, float))}
             if args:
                 tx.emit({"name": f"{kind} memory (MiB)", "cat": "memory", "ph": "C", "ts": tx._ts(ts), "pid": tx.pid,
-                         "args": args})  # fmt: skip
+                         "tid": tx.tid, "args": args})  # fmt: skip
 
 
 _COMMON = frozenset(("v", "rank", "world", "seq", "mono_ns", "wall", "event"))
