@@ -108,6 +108,10 @@ class CpuMemorySaver:
         self._regions: list[Region] = []
         self._paused: set[str] = set()
         self._peak = 0
+        # Per-tag bytes, kept as regions are made, paused and resumed: reading them walks no region
+        # (the drift snapshot reads them at every state).
+        self._bytes: dict[str, int] = {}
+        self._held: dict[str, int] = {}
 
     @property
     def device(self) -> torch.device:
@@ -118,6 +122,7 @@ class CpuMemorySaver:
             raise MemoryTagError(side=self.name, tag=tag, op="allocate in", paused=self._paused)
         tensor = torch.zeros(numel, dtype=dtype)
         self._regions.append(Region(tag=tag, tensor=tensor, backup=backup))
+        self._bytes[tag] = self._bytes.get(tag, 0) + tensor.numel() * tensor.element_size()
         self._touch()
         return tensor
 
@@ -140,6 +145,7 @@ class CpuMemorySaver:
             if region.backup:
                 region.host = region.tensor.detach().clone()
             region.tensor.untyped_storage().resize_(0)
+        self._held[tag] = sum(r.host.numel() * r.host.element_size() for r in self.regions(tag) if r.host is not None)
         self._paused.add(tag)
 
     def resume(self, tag: str) -> None:
@@ -152,20 +158,16 @@ class CpuMemorySaver:
                 region.host = None
             else:
                 _poison(region.tensor)
+        self._held.pop(tag, None)
         self._paused.discard(tag)
         self._touch()
 
     def resident_bytes(self, tags: Iterable[str] | None = None) -> int:
-        wanted = None if tags is None else set(tags)
-        return sum(r.nbytes for r in self._regions if r.resident and (wanted is None or r.tag in wanted))
+        paused = self._paused
+        return sum(self._bytes.get(t, 0) for t in (self._bytes if tags is None else set(tags)) if t not in paused)
 
     def host_bytes(self, tags: Iterable[str] | None = None) -> int:
-        wanted = None if tags is None else set(tags)
-        return sum(
-            r.host.numel() * r.host.element_size()
-            for r in self._regions
-            if r.host is not None and (wanted is None or r.tag in wanted)
-        )
+        return sum(self._held.get(t, 0) for t in (self._held if tags is None else set(tags)))
 
     def peak_bytes(self) -> int:
         """The most bytes resident at once since the last ``reset_peak``."""

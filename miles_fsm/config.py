@@ -11,7 +11,7 @@ from typing import Literal
 
 from miles_fsm.errors import ConfigError
 
-__all__ = ["AUTO_HOST_CYCLES", "GuardConfig", "LifecycleConfig", "VerifyConfig", "ci_mode"]
+__all__ = ["AUTO_HOST_CYCLES", "DriftConfig", "GuardConfig", "LifecycleConfig", "VerifyConfig", "ci_mode"]
 
 #: A day: longer is a hang by any measure (and gloo overflows on inf).
 _MAX_TIMEOUT_S = 86400.0
@@ -114,11 +114,49 @@ class VerifyConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class DriftConfig:
+    """The per-cycle memory drift check (docs/memory-drift.md).
+
+    At every state of every cycle the lifecycle records a memory snapshot
+    (device bytes per tag, host bytes per tag, the process RSS). After
+    ``warmup_cycles`` cycles, a figure of one state that grows past its first
+    post-warm-up value by more than ``abs_bytes + rel * that value`` is drift.
+    ``policy``: ``"warn"`` (a ``MemoryDriftWarning`` and a traced record),
+    ``"raise"`` (``MemoryDriftError``) or ``"off"`` (snapshots only).
+    """
+
+    warmup_cycles: int = 2
+    abs_bytes: int = 64 << 20
+    rel: float = 0.05
+    policy: Literal["warn", "raise", "off"] = "warn"
+    #: Snapshots are traced and kept; False turns the whole check off (nothing measured).
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.warmup_cycles, int) or isinstance(self.warmup_cycles, bool) or self.warmup_cycles < 0:
+            problems.append(f"warmup_cycles must be an int >= 0, got {self.warmup_cycles!r}")
+        if not isinstance(self.abs_bytes, int) or isinstance(self.abs_bytes, bool) or self.abs_bytes < 0:
+            problems.append(f"abs_bytes must be an int >= 0, got {self.abs_bytes!r}")
+        if not isinstance(self.rel, (int, float)) or isinstance(self.rel, bool) or not 0 <= self.rel < 100:
+            problems.append(f"rel must be a number >= 0 (a part of the baseline, 0.05 = 5%), got {self.rel!r}")
+        if self.policy not in ("warn", "raise", "off"):
+            problems.append(f"policy must be 'warn', 'raise' or 'off', got {self.policy!r}")
+        if problems:
+            raise ConfigError(problems, "DriftConfig")
+
+    def tolerance(self, baseline: int) -> float:
+        """Bytes a figure may grow past ``baseline`` before it is drift."""
+        return self.abs_bytes + self.rel * max(baseline, 0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LifecycleConfig:
     """Everything a ``Lifecycle`` is configured with."""
 
     guard: GuardConfig = field(default_factory=GuardConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+    drift: DriftConfig = field(default_factory=DriftConfig)
     trace_dir: Path | None = None
     #: The run's id in every trace record; None: ``MILES_FSM_RUN_ID``, else
     #: made by rank 0 and shared with every rank when the lifecycle is built.

@@ -163,7 +163,8 @@ class Machine(Generic[S, T]):
     epoch)`` is the epoch rule; ``probe()`` measures memory at each step
     boundary (None: unknown); ``timeout_for(trigger)`` is a trigger's guard
     timeout (None: the guard's own); ``on_failure(failure)`` runs once a rank
-is failed (the owner dumps its evidence). Every entry point takes ``lock``, which the
+is failed (the owner dumps its evidence); ``on_commit(result)`` once a transition
+    committed (the owner's memory snapshot), its errors the caller's. Every entry point takes ``lock``, which the
     owner shares for work of its own that must not interleave with a
     transition.
     """
@@ -179,6 +180,7 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
         probe: Callable[[], int | None] = lambda: None,
         timeout_for: Callable[[str], float | None] = lambda trigger: None,
         on_failure: Callable[[Failure], object] | None = None,
+        on_commit: Callable[[TransitionResult], object] | None = None,
     ) -> None:
         self.definition = definition
         self.guard = guard
@@ -189,6 +191,7 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
         self._probe = probe
         self._timeout_for = timeout_for
         self._on_failure = on_failure
+        self._on_commit = on_commit
         self._epoch = 0
         self._failure: Failure | None = None
         self._in_flight: InFlight | None = None
@@ -253,6 +256,8 @@ is failed (the owner dumps its evidence). Every entry point takes ``lock``, whic
             firing = _Firing(arrow, self._next_epoch(trigger, self._epoch), before_guard)
             self._events[trigger](self._model, firing)
             assert firing.result is not None  # _commit sets it; every other path raised
+            if self._on_commit is not None:  # outside the callbacks: what it raises fails no transition
+                self._on_commit(firing.result)
             return firing.result
 
     def agree(self, intent: Intent, base: Mapping[str, Any]) -> float:

@@ -12,6 +12,7 @@ from miles_fsm.errors import MilesFsmError, list_names
 
 __all__ = [
     "DriverProtocolError",
+    "MemoryDriftError",
     "MemoryTagError",
     "RecoveryError",
     "StructureVersionError",
@@ -145,4 +146,26 @@ class UndeclaredCollectiveError(MilesFsmError, RuntimeError):
             f"rank {rank} issued {collective} in {trigger}/{step} (epoch {epoch}), which its plan did not "
             f"declare (declared: [{', '.join(self.declared)}]). The guard compared a plan without it, so the "
             "ranks can hang in it: declare it in the driver's collectives(step), or remove it."
+        )
+
+
+class MemoryDriftError(MilesFsmError, RuntimeError):
+    """A memory figure of one state grew cycle by cycle past the drift tolerance (``DriftConfig(policy="raise")``)."""
+
+    def __init__(self, *, rank: int, tag: str, state: str, first_cycle: int, bytes_per_cycle: int, slope: float,
+                 kind: str = "device", grown: int = 0) -> None:  # fmt: skip
+        self.rank = rank
+        self.tag = tag
+        self.state = state
+        self.first_cycle = first_cycle
+        self.bytes_per_cycle = bytes_per_cycle
+        self.slope = slope
+        self.kind = kind
+        self.grown = grown
+        super().__init__(
+            f"rank {rank}'s {kind} memory under tag {tag!r} at {state} grows by ~{bytes_per_cycle / 2**20:.1f} MiB "
+            f"per cycle since cycle {first_cycle} (least-squares slope {slope / 2**20:.2f} MiB/cycle, "
+            f"{grown / 2**20:.1f} MiB over its baseline). Something keeps memory alive across cycles: look for "
+            f"buffers kept under {tag!r} (host copies never dropped, pinned pages never freed, caches that grow); "
+            "to go on anyway, raise the tolerance or set DriftConfig(policy='warn')."
         )

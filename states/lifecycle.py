@@ -10,10 +10,9 @@ holds the rules that make it the colocated lifecycle:
 - **the recovery rule**: leaving FAILED only to a state whose memory is
   really there, never skipping a verification (its checks: states/recovery.py).
 
-With ``torch.distributed`` initialized, construction is collective: every
-rank must build its ``Lifecycle`` (it creates the guard's gloo group). The
-ranks first wait for each other, up to the guard timeout: one that never
-comes is named by ``PeerNeverJoinedError``, recorded in the others' traces.
+With ``torch.distributed`` initialized, construction is collective (the guard's gloo group); a rank
+that never comes is named by ``PeerNeverJoinedError``, in the others' traces. Every state reached is
+snapshotted for memory drift (states/drift.py).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from miles_fsm.replay.index import write_index
 from miles_fsm.states.actions import Actions
 from miles_fsm.states.audit import dump_beside_trace, make_audit
 from miles_fsm.states.definition import CYCLE, DEFINITION, Side, State, Step, StepKind, Strategy, Trigger, steps_for
+from miles_fsm.states.drift import DriftMonitor
 from miles_fsm.states.planning import Intents, engine_side, shared
 from miles_fsm.states.protocols import EngineDriver, TrainerDriver, check_driver
 from miles_fsm.states.recovery import check_rebuilt, check_target, match_memory
@@ -125,6 +125,8 @@ class Lifecycle:
             )
             for t in DEFINITION.transitions
         }  # fmt: skip
+        self._drift = DriftMonitor(config=self._config.drift, rank=self._guard.rank, trainer=trainer, engine=engine,
+                                   tracer=tracer)  # fmt: skip
         self._machine: Machine[State, Trigger] = Machine(
             definition=DEFINITION,
             planner=self._plan,
@@ -133,6 +135,7 @@ class Lifecycle:
             tracer=tracer,
             probe=trainer.memory_in_use,
             timeout_for=self._config.guard.timeout_for,
+            on_commit=self._drift.observe,
             on_failure=lambda f: self.dump_flight_recorder(trigger=f.trigger.value, epoch=f.epoch, step=f.step,
                                                            error=type(f.error).__name__),
         )
@@ -163,6 +166,7 @@ class Lifecycle:
             "strategy": strategy.value,
             "guard_timeout_s": timeout_s,
             "lifecycle": self._config.name,
+            "drift": {f: getattr(self._config.drift, f) for f in ("warmup_cycles", "abs_bytes", "rel", "policy")},
             "machine": DEFINITION.describe(steps=lambda t: [str(s) for s in self._steps(t, strategy)]),
             **extra,
         }
@@ -201,13 +205,9 @@ class Lifecycle:
         """The cycle number: 0 before the first offload, +1 at each offload."""
         return self._machine.epoch
 
-    @property
-    def rank(self) -> int:
-        return self._guard.rank
-
-    @property
-    def world(self) -> int:
-        return self._guard.world
+    rank = property(lambda self: self._guard.rank, doc="This rank's number.")
+    world = property(lambda self: self._guard.world, doc="How many ranks.")
+    drift = property(lambda self: self._drift, doc="The memory drift check: its snapshots and findings (states/drift.py).")
 
     @property
     def failure(self) -> Failure | None:

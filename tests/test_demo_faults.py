@@ -32,10 +32,12 @@ MODES = ("rematerialize", "backup")
 _FAILURES = ("guard_failed", "transition_failed", "verify_failed", "demo_failed")
 
 #: Every kind in both modes at one rank and step.
-BASE = [(kind, mode, 1, 2) for kind in INJECTION_KINDS for mode in MODES]
+#: The faults that fail the run; a ``leak`` does not (the run goes on, warned): tests/test_drift.py checks it.
+FAILING = tuple(k for k in INJECTION_KINDS if k != "leak")
+BASE = [(kind, mode, 1, 2) for kind in FAILING for mode in MODES]
 #: A fixed sample of the rest of kind x mode x rank x step.
 SAMPLED = random.Random(14).sample(
-    sorted(set(itertools.product(INJECTION_KINDS, MODES, range(RANKS), range(1, STEPS + 1))) - set(BASE)), 6
+    sorted(set(itertools.product(FAILING, MODES, range(RANKS), range(1, STEPS + 1))) - set(BASE)), 6
 )
 
 

@@ -66,6 +66,8 @@ SAMPLES = [
     driver_errors.WeightChecksumError(engine="e0", against="the pushed tensors", mismatched=["w"], missing=["b"]),
     driver_errors.NotLlamaShapedError(problems=["its embeddings are tied"], source="GPTModel"),
     driver_errors.WeightLayoutError(side="HF", unknown=["x"], missing=["lm_head.weight"], mismatched=["w (2,) != (3,)"]),
+    state_errors.MemoryDriftError(rank=1, tag="actor", state="PAUSED", first_cycle=3, bytes_per_cycle=4 << 20,
+                                  slope=4.1e6, kind="host", grown=8 << 20),
     app_errors.FaultLocatedError(rank=0, culprits=[1], evidence="its pid is gone", cause="PeerLostError"),
     app_errors.TraceDirUnusableError(path="/ro/traces", reason="Read-only file system"),
     launch.LauncherLostError(rank=1, launcher_pid=4242),

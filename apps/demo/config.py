@@ -16,7 +16,7 @@ __all__ = ["INJECTION_KINDS", "LAUNCHERS", "MAX_GUARD_TIMEOUT_S", "TRAINERS", "M
 #: ``stall`` is a hang after the guard passed, inside the param sync's
 #: all-gather: a collective no guard covers, which only the process group's
 #: own timeout ends.
-INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt", "stall", "undeclared")
+INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt", "stall", "undeclared", "leak")
 #: One host runs every rank, each with torch loaded (about 0.3 GB) and its gloo connections.
 MAX_RANKS = 64
 MAX_STEPS = 100_000

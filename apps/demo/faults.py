@@ -18,7 +18,11 @@ breaks the rank in the place the brief names:
   own that no peer joins -> ``UndeclaredCollectiveError`` from the plan
   audit; with the audit off, the rank waits for it in its train step while
   the others wait for it in theirs, until the process group's timeout
-  (replay ``--flight-recorder`` names both sides).
+  (replay ``--flight-recorder`` names both sides);
+- ``leak``: from that step on, the rank keeps one more host buffer of
+  ``LEAK_BYTES`` alive each step (pinned where CUDA is), accounted under the
+  host tag ``LEAK_TAG`` -> the live drift check warns naming the rank and the
+  tag, and replay reports the leak (docs/memory-drift.md).
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ from __future__ import annotations
 import functools
 import threading
 
-__all__ = ["DIVERGE_PARAM", "demo_trainer_cls", "hang_forever"]
+__all__ = ["DIVERGE_PARAM", "LEAK_BYTES", "LEAK_TAG", "demo_trainer_cls", "hang_forever"]
 
 #: What a ``diverge`` rank wrongly believes is frozen (outside its buffers).
 DIVERGE_PARAM = "pos.weight"
+#: Where a ``leak`` rank's buffers are accounted: a stale weight copy kept each step, never dropped.
+LEAK_TAG = "old_actor"
+#: What a ``leak`` rank keeps alive per step: twice the demo's drift tolerance (``rank.DEMO_DRIFT``).
+LEAK_BYTES = 16 << 20
 
 
 def hang_forever() -> None:

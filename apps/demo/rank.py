@@ -15,12 +15,13 @@ collectives.
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from miles_fsm.apps.demo.events import DEMO_FAILED, DEMO_STEP
-from miles_fsm.apps.demo.faults import demo_trainer_cls, hang_forever
+from miles_fsm.apps.demo.faults import LEAK_BYTES, demo_trainer_cls, hang_forever
 from miles_fsm.apps.demo.locate import locate, publish_pid
 from miles_fsm.apps.demo.timing import PhaseTimer
 from miles_fsm.errors import describe
@@ -75,7 +76,7 @@ class _DemoRank:
         self.where = "start"
 
     def _lifecycle(self) -> Any:
-        from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
+        from miles_fsm.config import DriftConfig, GuardConfig, LifecycleConfig, VerifyConfig
         from miles_fsm.states.lifecycle import Lifecycle
 
         kw = self.kw
@@ -86,6 +87,7 @@ class _DemoRank:
             config=LifecycleConfig(
                 guard=GuardConfig(timeout_s=kw["guard_timeout_s"]),
                 verify=VerifyConfig(cycles=None, audit=kw.get("audit", True)),
+                drift=DriftConfig(abs_bytes=LEAK_BYTES // 2),
                 trace_dir=Path(kw["trace_dir"]),
                 run_id=kw["run_id"],
             ),
@@ -106,7 +108,7 @@ class _DemoRank:
                     raise located from exc
                 raise
         return {"rows": self.timed.rows, "verified": self.verified, "held": self.held,
-                "weights": len(trainer.weights())}  # fmt: skip
+                "weights": len(trainer.weights()), "drift": [asdict(f) for f in lc.drift.tracker.findings()]}  # fmt: skip
 
     def _step(self, step: int) -> None:
         """One RL step, from TRAINING round the cycle and a guarded train step."""

@@ -79,6 +79,10 @@ class DemoResult:
             )
         return out
 
+    def drift(self) -> list[dict[str, Any]]:
+        """The memory drift each rank's live check found (``MemoryDriftWarning``s), with the rank."""
+        return [{"rank": o.rank, **f} for o in self.outcomes if o.ok for f in o.result.get("drift", ())]
+
     def held(self) -> dict[str, int]:
         """Host bytes held while PAUSED, on rank 0 (every rank holds the same)."""
         return next((o.result["held"] for o in self.outcomes if o.ok), {})
@@ -189,6 +193,10 @@ def print_result(result: DemoResult, out: Any) -> None:
             f"optimizer-state backup {_human(h.get('saver_backups'))}"
         )
         out.print(f"OK: {sum(result.verified.values())} cycles verified bit-exact in {result.wall_s:.1f} s")
+        for f in result.drift():
+            out.print(f"memory drift (live check): rank {f['rank']}: {f['kind']} memory under {f['tag']!r} grows "
+                      f"{_human(f['bytes_per_cycle'])}/cycle from cycle {f['first_cycle']} (at {f['state']})",
+                      markup=False)  # fmt: skip
     else:
         out.print(f"FAILED after {result.wall_s:.1f} s; {result.diagnosis}", markup=False)
     out.print(f"traces: {c.trace_dir}  (miles-fsm replay {c.trace_dir})", markup=False)

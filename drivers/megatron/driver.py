@@ -375,6 +375,16 @@ class MegatronTrainer:
         resident = getattr(self._memory, "resident_bytes", None)
         return int(resident()) if callable(resident) else None
 
+    def device_bytes_by_tag(self) -> dict[str, int]:
+        """The drift snapshot's device figures (states/drift.py): the device in use, and this process's allocator."""
+        in_use = self.memory_in_use()
+        out = {"in_use": in_use} if in_use is not None else {}
+        return {**out, "allocator": torch.cuda.memory_allocated()} if torch.cuda.is_available() else out
+
+    def host_bytes_by_tag(self) -> dict[str, int]:
+        """Host bytes each host copy's buffer occupies (pinned where configured), per tag; the optimizer's under its key."""
+        return {key: self._host.reserved_bytes(key) for key in self._host.keys()}
+
     # ------------------------------------------------------------ engine push
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

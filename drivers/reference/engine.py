@@ -84,6 +84,13 @@ class ReferenceEngine:
         if tag == "weights":
             self._loaded = False
 
+    def device_bytes_by_tag(self) -> dict[str, int]:
+        """The saver's resident bytes per engine tag (the drift snapshot's engine figures)."""
+        return {tag: self.saver.resident_bytes((tag,)) for tag in self.TAGS}
+
+    def host_bytes_by_tag(self) -> dict[str, int]:
+        return {tag: self.saver.host_bytes((tag,)) for tag in self.TAGS}
+
     def _check_tag(self, tag: str) -> None:
         if tag not in self.TAGS:
             raise KeyError(f"engine {self.name} has no memory tag {tag!r}; it has {list(self.TAGS)}")

@@ -20,15 +20,11 @@ Weight strategies (``Strategy``):
 - ``rematerialize``: ``backup("actor")`` keeps only the extras on the host. The
   bf16 params come back from ``cast_main_to_params`` (this rank's shard) and
   ``param_sync`` (everyone else's). No host copy of a bf16 param exists.
-- ``backup``: ``backup(tag)`` keeps a full host copy of every weight.
+- ``backup``: ``backup(tag)`` keeps a full host copy of every weight. Tags other than ``actor``
+  (``ref``, ``old_actor``, ...) always keep full copies.
 
-Tags other than ``actor`` (``ref``, ``old_actor``, ...) always keep full copies.
-
-The model itself (its weights, init and forward) is in
-``drivers/reference/model.py``, shared with the reference engine; this
-module holds what makes it a trainer: the buffer layout, Adam on the
-owned shard and the collectives. ``ModelConfig`` is re-exported: a
-``TrainerConfig`` is built from one.
+The model itself is in ``drivers/reference/model.py`` (shared with the engine; ``ModelConfig`` is
+re-exported); this module holds the buffer layout, Adam on the owned shard and the collectives.
 """
 
 from __future__ import annotations
@@ -276,6 +272,12 @@ class ReferenceTrainer:
 
     def memory_in_use(self) -> int:
         return self.saver.resident_bytes(TRAINER_TAGS)
+
+    def device_bytes_by_tag(self) -> dict[str, int]:  # the drift snapshot's figures (states/drift.py)
+        return {tag: self.saver.resident_bytes((tag,)) for tag in TRAINER_TAGS}
+
+    def host_bytes_by_tag(self) -> dict[str, int]:  # backups per backup tag; the saver's copies per memory tag
+        return {**{t: self.backup_host_bytes(t) for t in self._host}, **{t: self.saver.host_bytes((t,)) for t in TRAINER_TAGS}}
 
     # ------------------------------------------------------------ host bytes
 

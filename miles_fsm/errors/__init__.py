@@ -26,7 +26,7 @@ imports none of them: the engine never imports a layer above it):
 - the lifecycle's, in ``miles_fsm.states.errors``: ``VerificationError``,
   ``TensorSetChangedError``, ``MemoryTagError``, ``WeightVersionError``,
   ``RecoveryError``, ``StructureVersionError``, ``DriverProtocolError``,
-  ``UndeclaredCollectiveError``;
+  ``UndeclaredCollectiveError``, ``MemoryDriftError``;
 - the drivers', in ``miles_fsm.drivers.errors``: ``IneligibleModelError``,
   ``UnsupportedVersionError``, ``CudaAvailableError``, ``EngineRequestError``,
   ``EngineSessionError``, ``EngineUpdateError``, ``HostCopyMissingError``,

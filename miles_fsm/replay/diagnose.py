@@ -41,6 +41,7 @@ from miles_fsm.replay.shapes import (
     FlightRecorderReport,
     GuardFailure,
     IllegalMove,
+    Leak,
     OutsideFailure,
     RankEntry,
     StepFailure,
@@ -75,11 +76,13 @@ class Diagnosis:
     notes: list[str] = field(default_factory=list)
     #: What the Flight Recorder dumps say (``FrReport.to_json()``); None: no dumps were read.
     flight_recorder: FlightRecorderReport | None = None
+    #: Memory kept alive cycle after cycle (``miles_fsm.replay.leaks``): beside the verdict, never one.
+    leaks: list[Leak] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
         fr = self.flight_recorder
-        return self.verdict == Verdict.OK and not (fr is not None and fr.get("mismatch"))
+        return self.verdict == Verdict.OK and not (fr is not None and fr.get("mismatch")) and not self.leaks
 
     @property
     def exit_code(self) -> int:
@@ -104,6 +107,7 @@ class Diagnosis:
             "trace_problems": self.trace_problems,
             "notes": self.notes,
             "flight_recorder": self.flight_recorder,
+            "leaks": self.leaks,
         }
 
 

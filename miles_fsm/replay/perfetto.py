@@ -2,8 +2,9 @@
 
 One process per rank (``pid`` = rank) with two tracks: the lifecycle state
 the rank is in, and its transitions with their guard and actions nested
-inside. Guard failures, verification failures and recoveries are instant
-events; a flow arrow links the ranks that entered the same guard, in arrival
+inside. Each ``memory_snapshot`` is drawn on counter tracks of the rank
+(``device``, ``host`` and ``rss memory (MiB)``, a series per tag). Guard failures,
+verification failures and recoveries are instant events; a flow arrow links the ranks that entered the same guard, in arrival
 order, so a late or missing rank shows at a glance.
 
 Records are drawn in ``seq`` order and only those of the run replay read;
@@ -38,6 +39,7 @@ from miles_fsm.trace.schema import (
     GUARD_ENTERED,
     GUARD_FAILED,
     GUARD_PASSED,
+    MEMORY_SNAPSHOT,
     RECOVERED,
     TRACE_OPENED,
     TRANSITION_CANCELLED,
@@ -319,8 +321,20 @@ def _export_record(rec: Mapping[str, Any], ts: float, epoch: Any, states: _Track
     elif event == RECOVERED:
         states.close_all(ts)
         states.begin(label(state), ts, "state", {"epoch": epoch, "recovered": True})
+    elif event == MEMORY_SNAPSHOT:
+        _memory_counters(rec, ts, tx)
     elif event != TRACE_OPENED:
         tx.instant(label(event), ts, "other", {k: v for k, v in rec.items() if k not in _COMMON})
+
+
+def _memory_counters(rec: Mapping[str, Any], ts: float, tx: _Track) -> None:
+    """A snapshot as counter tracks of the rank, in MiB: one per kind, a series per tag (docs/memory-drift.md)."""
+    for kind, values in (("device", rec.get("device")), ("host", rec.get("host")), ("rss", {"process": rec.get("rss")})):
+        if isinstance(values, dict):
+            args = {str(tag): v / 2**20 for tag, v in values.items() if isinstance(v, (int, float))}
+            if args:
+                tx.emit({"name": f"{kind} memory (MiB)", "cat": "memory", "ph": "C", "ts": tx._ts(ts), "pid": tx.pid,
+                         "tid": tx.tid, "args": args})  # fmt: skip
 
 
 _COMMON = frozenset(("v", "rank", "world", "seq", "mono_ns", "wall", "event"))

@@ -15,7 +15,7 @@ from miles_fsm.replay.fr_shapes import CollectiveEntry, FlightRecorderReport, Fr
 
 __all__ = ["Accusation", "BadLineEntry", "BeforeClose", "CollectiveEntry", "Culprit", "DamageEntry", "Difference",
            "DuplicateEntry", "FirstDivergence", "FlightRecorderReport", "FrGroup", "FrPart", "GuardFailure",
-           "GuardReport", "IllegalMove", "Inside", "LocatedFault", "MissingRank", "OutsideFailure", "OutsideStop",
+           "GuardReport", "IllegalMove", "Inside", "Leak", "LocatedFault", "MissingRank", "OutsideFailure", "OutsideStop",
            "RankEntry", "RankError", "RankStatus", "RankSummary", "Scalar", "StepFailure", "StopHow", "StoppedRank",
            "Straggler", "TraceProblems", "TruncatedEntry", "ValueGroup", "VerificationFailure", "WorstInstance"]
 
@@ -353,3 +353,23 @@ class TraceProblems(TypedDict):
     run: str | None
     ignored: list[str]
     warnings: list[str]
+
+
+class Leak(TypedDict):
+    """Memory one rank kept alive cycle after cycle under a tag (``miles_fsm.replay.leaks``).
+
+    ``kind``: ``device``, ``host`` or ``rss`` (tag ``process``); ``state``: where the growth
+    passed the tolerance first; ``slope``: least squares over every cycle after the warm-up,
+    bytes per cycle; ``grown``: bytes over the baseline at the last cycle seen.
+    """
+
+    rank: int
+    kind: str
+    tag: str
+    state: str
+    first_cycle: int
+    bytes_per_cycle: int
+    slope: float
+    grown: int
+    baseline: int
+    cycles: int

@@ -22,6 +22,8 @@ __all__ = [
     "GUARD_ENTERED",
     "GUARD_FAILED",
     "GUARD_PASSED",
+    "MEMORY_DRIFT",
+    "MEMORY_SNAPSHOT",
     "RECOVERED",
     "SCHEMA_VERSION",
     "STORE_UNREACHABLE",
@@ -58,6 +60,10 @@ CANCEL_DEFERRED = "cancel_deferred"
 RECOVERED = "recovered"
 STORE_UNREACHABLE = "store_unreachable"
 TRACE_CLOSED = "trace_closed"
+#: One rank's memory at a state it reached (docs/memory-drift.md); ``epoch`` is the cycle.
+MEMORY_SNAPSHOT = "memory_snapshot"
+#: A figure that grew cycle by cycle past the tolerance, found live.
+MEMORY_DRIFT = "memory_drift"
 
 #: On every record: stamped by the tracer (``v``, ``run``, ``rank``,
 #: ``world``, ``seq``, ``mono_ns``, ``wall``, ``event``) or given by the
@@ -87,6 +93,8 @@ EVENTS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         RECOVERED: ("after",),
         STORE_UNREACHABLE: _ERROR,
         TRACE_CLOSED: ("clean",),
+        MEMORY_SNAPSHOT: ("device", "host", "rss"),
+        MEMORY_DRIFT: ("kind", "tag", "at", "first_cycle", "bytes_per_cycle", "slope", "grown", "policy"),
     }
 )
 

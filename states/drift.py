@@ -1,0 +1,116 @@
+"""The live memory drift check: a snapshot at every state the lifecycle reaches, judged cycle by cycle.
+
+A snapshot is three cheap reads (no walk of tensors): the device bytes per
+tag (``TaggedMemory.device_bytes_by_tag`` where a driver's memory saver can
+tell, else the trainer's ``memory_in_use()`` under the tag ``total``), the
+host bytes per tag (``host_bytes_by_tag``: backups, pinned copies), and the
+process RSS (``/proc/self/statm``). Engine tags are prefixed ``engine:``. Each
+snapshot is traced as ``memory_snapshot``; ``miles_fsm.memory_drift`` judges
+it (docs/memory-drift.md).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from miles_fsm.config import DriftConfig
+from miles_fsm.machine import TransitionResult
+from miles_fsm.memory_drift import DriftFinding, DriftTracker, figures_of
+from miles_fsm.states.errors import MemoryDriftError
+from miles_fsm.trace.schema import MEMORY_DRIFT, MEMORY_SNAPSHOT
+from miles_fsm.trace.writer import TraceSink
+
+__all__ = ["DriftMonitor", "MemoryDriftWarning", "TaggedMemory", "process_rss"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class MemoryDriftWarning(RuntimeWarning):
+    """A memory figure grows cycle by cycle (``DriftConfig(policy="warn")``); ``finding`` and ``rank`` say which."""
+
+    def __init__(self, message: str, *, rank: int, finding: DriftFinding) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.finding = finding
+
+
+@runtime_checkable
+class TaggedMemory(Protocol):
+    """The optional members of a driver whose memory saver can say what each tag holds."""
+
+    def device_bytes_by_tag(self) -> Mapping[str, int]:
+        """Device (on CPU: the saver's) bytes resident now, per tag. Cheap: the saver's own accounting."""
+        ...
+
+    def host_bytes_by_tag(self) -> Mapping[str, int]:
+        """Host bytes held now per tag (backups, pinned copies)."""
+        ...
+
+
+_statm: list[int] = []  # (pid, fd): kept open per process, so a snapshot costs one pread, not an open
+
+
+def process_rss() -> int | None:
+    """This process's resident set size in bytes (one read of ``/proc/self/statm``); None where unknown."""
+    try:
+        if not _statm or _statm[0] != os.getpid():  # a forked child must not read its parent's statm
+            _statm[:] = [os.getpid(), os.open("/proc/self/statm", os.O_RDONLY)]
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class DriftMonitor:
+    """One rank's snapshots and their judgement; ``observe`` is the machine's ``on_commit``."""
+
+    def __init__(self, *, config: DriftConfig, rank: int, trainer: Any, engine: Any | None,
+                 tracer: TraceSink) -> None:  # fmt: skip
+        self.config = config
+        self.rank = rank
+        self.tracker = DriftTracker(config)
+        self._trainer = trainer
+        self._engine = engine if isinstance(engine, TaggedMemory) else None
+        self._tracer = tracer
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int], int | None]:
+        """(device bytes per tag, host bytes per tag, RSS) now."""
+        t = self._trainer
+        if isinstance(t, TaggedMemory):
+            device, host = dict(t.device_bytes_by_tag()), dict(t.host_bytes_by_tag())
+        else:
+            total = t.memory_in_use()
+            device, host = ({} if total is None else {"total": total}), {}
+        if self._engine is not None:
+            device.update({f"engine:{k}": v for k, v in self._engine.device_bytes_by_tag().items()})
+            host.update({f"engine:{k}": v for k, v in self._engine.host_bytes_by_tag().items()})
+        return device, host, process_rss()
+
+    def observe(self, result: TransitionResult) -> list[DriftFinding]:
+        """Snapshot the state just reached, trace it, and warn or raise on drift (per the policy)."""
+        if not self.config.enabled:
+            return []
+        device, host, rss = self.snapshot()
+        state, epoch = result.dest.value, result.epoch
+        self._tracer.emit(MEMORY_SNAPSHOT, epoch=epoch, state=state, trigger=result.trigger.value,
+                          device=device, host=host, rss=rss)  # fmt: skip
+        found = self.tracker.add(epoch, state, figures_of(device, host, rss))
+        if not found or self.config.policy == "off":
+            return found
+        for f in found:
+            self._tracer.emit(MEMORY_DRIFT, epoch=epoch, state=state, trigger=result.trigger.value, kind=f.kind,
+                              tag=f.tag, at=f.state, first_cycle=f.first_cycle, bytes_per_cycle=f.bytes_per_cycle,
+                              slope=f.slope, grown=f.grown, policy=self.config.policy)  # fmt: skip
+        errors = [self.error(f) for f in found]
+        if self.config.policy == "raise":
+            raise errors[0]
+        for f, err in zip(found, errors, strict=True):
+            warnings.warn(MemoryDriftWarning(str(err), rank=self.rank, finding=f), stacklevel=4)
+        return found
+
+    def error(self, f: DriftFinding) -> MemoryDriftError:
+        return MemoryDriftError(rank=self.rank, tag=f.tag, state=f.state, first_cycle=f.first_cycle,
+                                bytes_per_cycle=f.bytes_per_cycle, slope=f.slope, kind=f.kind,
+                                grown=f.grown)  # fmt: skip

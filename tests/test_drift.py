@@ -1,0 +1,175 @@
+"""Per-cycle memory drift (issue 28): the snapshot, the live check, its policies and its config."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from miles_fsm.config import DriftConfig, LifecycleConfig, VerifyConfig
+from miles_fsm.drivers.cpu_memory import CpuMemorySaver
+from miles_fsm.drivers.reference.engine import EngineConfig, ReferenceEngine
+from miles_fsm.drivers.reference.trainer import ReferenceTrainer, TrainerConfig
+from miles_fsm.errors import ConfigError
+from miles_fsm.memory_drift import DriftTracker
+from miles_fsm.replay.report import replay, report_lines
+from miles_fsm.states import State, Strategy
+from miles_fsm.states.drift import MemoryDriftWarning
+from miles_fsm.states.errors import MemoryDriftError
+from miles_fsm.states.lifecycle import Lifecycle
+from miles_fsm.trace.schema import MEMORY_DRIFT, MEMORY_SNAPSHOT
+from test_replay import check_chrome_trace
+
+MiB = 1 << 20
+
+
+class LeakyTrainer(ReferenceTrainer):
+    """Keeps a growing host buffer alive under the ``stash`` tag from cycle ``leak_from`` on."""
+
+    leak_from = 10**9
+    leak_bytes = 2 * MiB
+
+    def backup(self, tag):
+        report = super().backup(tag)
+        if tag == "actor" and self.epoch_seen >= self.leak_from:
+            kept = self._host.setdefault("stash", {})
+            kept[f"leak{len(kept)}"] = torch.empty(self.leak_bytes, dtype=torch.uint8)
+        return report
+
+    epoch_seen = 0
+
+
+def _lifecycle(strategy, drift, trace_dir=None, trainer_cls=ReferenceTrainer):
+    saver = CpuMemorySaver()
+    trainer = trainer_cls(config=TrainerConfig(strategy=strategy), saver=saver)
+    engine = ReferenceEngine(config=EngineConfig(), saver=saver)
+    config = LifecycleConfig(verify=VerifyConfig(cycles=1), drift=drift, trace_dir=trace_dir)
+    return Lifecycle(trainer=trainer, engine=engine, config=config), trainer
+
+
+def _cycles(lc, trainer, n):
+    from miles_fsm.states import Trigger
+
+    for _ in range(n):
+        trainer.epoch_seen = lc.epoch + 1
+        lc.offload()
+        lc.pause()
+        for trig in lc.definition.path(State.PAUSED, State.TRAINING) or ():
+            lc.fire(Trigger(trig))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_no_false_positive_over_50_healthy_cycles(strategy, tmp_path):
+    """50 cycles of the reference trainer and engine: snapshots at every state, and no drift under ``raise``."""
+    lc, trainer = _lifecycle(strategy, DriftConfig(policy="raise"), tmp_path)
+    with lc:
+        lc.start()
+        _cycles(lc, trainer, 50)
+    records = [json.loads(line) for p in tmp_path.glob("rank-*.jsonl") for line in p.read_text().splitlines()]
+    snaps = [r for r in records if r["event"] == MEMORY_SNAPSHOT]
+    assert len(snaps) >= 50 * 5 and not [r for r in records if r["event"] == MEMORY_DRIFT]
+    paused = [r for r in snaps if r["state"] == State.PAUSED.value]
+    assert paused[-1]["device"]["param_buffer"] == 0 and paused[-1]["rss"] > 0  # the actor's memory is released
+    d = replay(str(tmp_path))
+    assert d.leaks == [] and d.exit_code == 0
+
+
+def test_raise_names_rank_tag_state_and_slope():
+    """A buffer kept alive cycle after cycle under a tag raises ``MemoryDriftError`` with its facts."""
+    drift = DriftConfig(policy="raise", abs_bytes=3 * MiB, rel=0.0)
+    lc, trainer = _lifecycle(Strategy.BACKUP, drift, trainer_cls=LeakyTrainer)
+    trainer.leak_from = 3
+    lc.start()
+    with pytest.raises(MemoryDriftError) as info:
+        _cycles(lc, trainer, 10)
+    err = info.value
+    assert (err.rank, err.tag, err.kind) == (0, "stash", "host")
+    assert err.first_cycle == 4 and err.bytes_per_cycle == 2 * MiB and err.slope == pytest.approx(2 * MiB)
+    assert err.state in {s.value for s in State} and "MiB per cycle" in str(err)
+    assert lc.state is not State.FAILED  # the transition committed: drift fails no transition
+
+
+def test_warn_warns_and_traces(tmp_path):
+    drift = DriftConfig(policy="warn", abs_bytes=3 * MiB, rel=0.0)
+    lc, trainer = _lifecycle(Strategy.BACKUP, drift, tmp_path, trainer_cls=LeakyTrainer)
+    trainer.leak_from = 3
+    with lc, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lc.start()
+        _cycles(lc, trainer, 7)
+    found = [w.message for w in caught if isinstance(w.message, MemoryDriftWarning)]
+    assert found and {(w.rank, w.finding.tag) for w in found} >= {(0, "stash")}
+    records = [json.loads(line) for line in next(tmp_path.glob("rank-*.jsonl")).read_text().splitlines()]
+    drifts = [r for r in records if r["event"] == MEMORY_DRIFT]
+    assert drifts[0]["tag"] == "stash" and drifts[0]["kind"] == "host" and drifts[0]["first_cycle"] == 4
+    # Replay finds it from the snapshots alone, beside a verdict that stays ok, and exits 3.
+    d = replay(str(tmp_path))
+    assert d.verdict == "ok" and d.exit_code == 3
+    leak = next(k for k in d.leaks if k["tag"] == "stash")
+    assert (leak["rank"], leak["kind"], leak["first_cycle"]) == (0, "host", 4)
+    assert leak["slope"] == pytest.approx(2 * MiB) and d.to_json()["leaks"][0]["rank"] == 0
+    out = tmp_path.parent / f"{tmp_path.name}.perfetto.json"
+    replay(str(tmp_path), perfetto=str(out))
+    check_chrome_trace(out)
+    counters = [e for e in json.loads(out.read_text())["traceEvents"] if e.get("ph") == "C"]
+    host = [e["args"]["stash"] for e in counters if e["name"] == "host memory (MiB)" and "stash" in e["args"]]
+    assert host and host[-1] > host[0] and {e["name"] for e in counters} >= {"device memory (MiB)", "rss memory (MiB)"}
+    text = "\n".join(t for _, t in report_lines(d))
+    assert "Leaks (" in text and "rank 0: host memory under 'stash'" in text
+
+
+def test_tracker_fits_the_slope_and_skips_warmup():
+    tracker = DriftTracker(DriftConfig(warmup_cycles=2, abs_bytes=10, rel=0.0))
+    seen = [tracker.add(c, "PAUSED", [("device", "t", 1000 + 7 * c * c)]) for c in range(1, 9)]
+    assert seen[:3] == [[], [], []]  # two cycles of warm-up, then the baseline
+    first = next(f for f in seen if f)[0]
+    assert first.first_cycle == 4 and first.baseline == 1063
+    final = tracker.findings()[0]
+    xs = list(range(3, 9))
+    ys = [1000 + 7 * x * x for x in xs]
+    mx, my = sum(xs) / 6, sum(ys) / 6
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    assert final.slope == pytest.approx(slope) and final.cycles == 6
+
+
+def test_growth_within_tolerance_is_not_drift():
+    tracker = DriftTracker(DriftConfig(warmup_cycles=0, abs_bytes=100, rel=0.5))
+    assert not any(tracker.add(c, "TRAINING", [("rss", "process", 1000 + 10 * c)]) for c in range(1, 50))
+    assert tracker.add(60, "TRAINING", [("rss", "process", 1000 + 10 + 700)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"warmup_cycles": -1}, "warmup_cycles"),
+        ({"abs_bytes": -5}, "abs_bytes"),
+        ({"abs_bytes": 1.5}, "abs_bytes"),
+        ({"rel": -0.1}, "rel"),
+        ({"policy": "explode"}, "policy"),
+    ],
+)
+def test_config_refuses_bad_values(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
+        DriftConfig(**kwargs)
+
+
+@pytest.mark.slow
+def test_demo_leak_is_named_live_and_by_replay(tmp_path, assert_no_leftovers):
+    """``leak:1:2`` on two gloo ranks: the live check and replay both name rank 1 and the leak's tag."""
+    from miles_fsm.apps.demo import run_demo
+    from miles_fsm.apps.demo.config import DemoConfig, Injection
+    from miles_fsm.apps.demo.faults import LEAK_BYTES, LEAK_TAG
+
+    result = run_demo(DemoConfig(ranks=2, steps=5, trace_dir=tmp_path / "traces",
+                                 injections=(Injection(kind="leak", rank=1, step=2),)))  # fmt: skip
+    assert result.ok
+    live = [(f["rank"], f["kind"], f["tag"]) for f in result.drift()]
+    assert (1, "host", LEAK_TAG) in live and all(r == 1 for r, _, _ in live)  # the healthy rank: nothing
+    d = replay(str(tmp_path / "traces"))
+    named = {(k["rank"], k["tag"]) for k in d.leaks}
+    assert (1, LEAK_TAG) in named and all(r == 1 for r, _ in named) and d.exit_code == 3
+    leak = next(k for k in d.leaks if k["tag"] == LEAK_TAG)
+    assert leak["bytes_per_cycle"] == LEAK_BYTES and leak["slope"] == pytest.approx(LEAK_BYTES)
