@@ -94,7 +94,9 @@ class DriftMonitor:
             return []
         device, host, rss = self.snapshot()
         state, epoch = result.dest.value, result.epoch
-        self._tracer.emit(MEMORY_SNAPSHOT, epoch=epoch, state=state, trigger=result.trigger.value,
+        # No trigger: the snapshot is of the state reached, after the transition's own records, which end
+        # with its transition_finished (readers that follow one trigger's records rely on that).
+        self._tracer.emit(MEMORY_SNAPSHOT, epoch=epoch, state=state, trigger=None,
                           device=device, host=host, rss=rss)  # fmt: skip
         found = self.tracker.add(epoch, state, figures_of(device, host, rss))
         if not found or self.config.policy == "off":
