@@ -109,7 +109,8 @@ class DriftMonitor:
         if self.config.policy == "raise":
             raise errors[0]
         for f, err in zip(found, errors, strict=True):
-            warnings.warn(MemoryDriftWarning(str(err), rank=self.rank, finding=f), stacklevel=4)
+            message = f"{err.summary}. The run goes on (DriftConfig(policy='warn')); policy='raise' stops it here."
+            warnings.warn(MemoryDriftWarning(message, rank=self.rank, finding=f), stacklevel=4)
         return found
 
     def error(self, f: DriftFinding) -> MemoryDriftError:

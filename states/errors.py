@@ -162,10 +162,11 @@ class MemoryDriftError(MilesFsmError, RuntimeError):
         self.slope = slope
         self.kind = kind
         self.grown = grown
-        super().__init__(
+        #: What grew and where to look, without the advice on the policy (the warning under ``warn`` says it).
+        self.summary = (
             f"rank {rank}'s {kind} memory under tag {tag!r} at {state} grows by ~{bytes_per_cycle / 2**20:.1f} MiB "
             f"per cycle since cycle {first_cycle} (least-squares slope {slope / 2**20:.2f} MiB/cycle, "
             f"{grown / 2**20:.1f} MiB over its baseline). Something keeps memory alive across cycles: look for "
-            f"buffers kept under {tag!r} (host copies never dropped, pinned pages never freed, caches that grow); "
-            "to go on anyway, raise the tolerance or set DriftConfig(policy='warn')."
+            f"buffers kept under {tag!r} (host copies never dropped, pinned pages never freed, caches that grow)"
         )
+        super().__init__(f"{self.summary}; to go on anyway, raise the tolerance or set DriftConfig(policy='warn').")
