@@ -53,16 +53,8 @@ import torch
 from miles_fsm import digest_device
 from miles_fsm.errors import ConfigError, MemoryReleasedError
 
-__all__ = [
-    "CHUNK_BYTES",
-    "DIGEST_SCHEME",
-    "SCHEMES",
-    "StagingRing",
-    "default_threads",
-    "digest_tensors",
-    "tensor_digest",
-    "tensor_sha256",
-]
+__all__ = ["CHUNK_BYTES", "DIGEST_SCHEME", "SCHEMES", "PendingDigests", "StagingRing", "default_threads",
+           "digest_tensors", "start_digests", "tensor_digest", "tensor_sha256"]  # fmt: skip
 
 #: Scheme -> chunk size. The chunk size is part of the definition: change it and every digest
 #: changes, so a new size is a new scheme. Every chunk size divides ``CHUNK_BYTES``.
@@ -153,7 +145,46 @@ def digest_tensors(
     CUDA tensors are hashed on their device (``on_device``: None means where
     ``digest_device.available()``), else through the pinned staging ring of
     their device; host tensors are hashed in place. Host chunks are hashed on
-    ``threads`` threads.
+    ``threads`` threads. ``start_digests(...).result()``.
+    """
+    return start_digests(tensors, threads=threads, scheme=scheme, on_device=on_device).result()
+
+
+class PendingDigests:
+    """Digests whose device part may still be running (``start_digests``); ``result()`` waits, once."""
+
+    def __init__(self, scheme: str, names: list[str], sizes: dict[str, int], leaves: dict[str, list[bytes | None]],
+                 on_device: list[tuple[list[str], digest_device.PendingChunks]]) -> None:  # fmt: skip
+        self._scheme, self._names, self._sizes, self._leaves = scheme, names, sizes, leaves
+        self._on_device = on_device
+        self._out: dict[str, str] | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting for a device."""
+        return self._out is not None or all(p.ready for _, p in self._on_device)
+
+    def result(self) -> dict[str, str]:
+        if self._out is None:
+            for dev_names, pending in self._on_device:
+                for name, joined in zip(dev_names, pending.result(), strict=True):
+                    self._leaves[name] = [joined]
+            self._on_device = []
+            self._out = _roots(self._scheme, self._names, self._sizes, self._leaves)
+        return self._out
+
+
+def start_digests(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    threads: int | None = None,
+    scheme: str = DIGEST_SCHEME,
+    on_device: bool | None = None,
+) -> PendingDigests:
+    """``digest_tensors``, but CUDA tensors hashed on their device are only queued: the call returns
+    while the kernel runs on a side stream, so the caller's own device work (an offload's
+    copies) overlaps it. The tensors must stay resident and unchanged until ``result()``.
+    Host hashing (host tensors, or CUDA tensors without a device digest) is done before returning.
     """
     chunk = _chunk_of(scheme)
     n_threads = threads or default_threads()
@@ -177,11 +208,9 @@ def digest_tensors(
             host.append((name, view))
             sizes[name] = len(view)
         leaves[name] = [None] * _n_chunks(sizes[name])
+    queued: list[tuple[list[str], digest_device.PendingChunks]] = []
     if device_side:
-        for dev_names in by_device.values():
-            for name, joined in zip(dev_names, digest_device.chunk_digests([tensors[n] for n in dev_names], chunk),
-                                    strict=True):  # fmt: skip
-                leaves[name] = [joined]
+        queued = [(ns, digest_device.launch([tensors[n] for n in ns], chunk)) for ns in by_device.values()]
         by_device = {}
     total = sum(sizes[name] for name, _ in host) + sum(sizes[n] for ns in by_device.values() for n in ns)
     if n_threads == 1 or (total <= _INLINE_BYTES and not by_device):
@@ -190,7 +219,7 @@ def digest_tensors(
         for dev_names in by_device.values():
             for name in dev_names:
                 leaves[name] = [_leaves(_host_bytes(tensors[name].to("cpu")), chunk)]
-        return _roots(scheme, names, sizes, leaves)
+        return PendingDigests(scheme, names, sizes, leaves, queued)
     with ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="miles-fsm-sha") as pool:
         futures: list[Future[None]] = []
         for name, view in host:
@@ -202,7 +231,7 @@ def digest_tensors(
             futures.extend(ring.stream({n: tensors[n] for n in dev_names}, leaves, pool, chunk=chunk))
         for f in futures:
             f.result()  # re-raises a hasher's error here
-    return _roots(scheme, names, sizes, leaves)
+    return PendingDigests(scheme, names, sizes, leaves, queued)
 
 
 def _roots(scheme: str, names: list[str], sizes: dict[str, int],

@@ -4,17 +4,25 @@
 them in table order. Verification lives here too: ``record_digests`` at
 offload, ``verify`` at resume, and the pushed weights against the engine's
 own digests at pause.
+
+On a GPU the digests recorded at offload are only queued (``start_digests``):
+the kernel hashes beside the offload's own copies, and the host waits for it
+(joins) just before anything could release or write what it reads: a pause
+of a tag that may hold the verified tensors (all tags unless the trainer
+names them in ``verified_tags``), or a step that writes params. The wait is
+traced as the ``verified`` record's ``waited_s``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from time import perf_counter
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from miles_fsm import digest_device
 from miles_fsm.config import VerifyConfig
-from miles_fsm.digest import DIGEST_SCHEME, digest_tensors
+from miles_fsm.digest import DIGEST_SCHEME, PendingDigests, digest_tensors, start_digests
 from miles_fsm.plan import TensorSet
 from miles_fsm.states.definition import Side, State, Step, StepKind, Trigger
 from miles_fsm.states.errors import TensorSetChangedError, VerificationError, WeightVersionError
@@ -51,7 +59,7 @@ class Actions:
         self._tracer = tracer
         self.memory = MappingProxyType(
             {
-                Side.TRAINER: MemoryLedger(Side.TRAINER.value, pause=trainer.pause_memory,
+                Side.TRAINER: MemoryLedger(Side.TRAINER.value, pause=self._pause_trainer,
                                            resume=trainer.resume_memory),  # fmt: skip
                 Side.ENGINE: MemoryLedger(
                     Side.ENGINE.value,
@@ -61,7 +69,11 @@ class Actions:
             }
         )
         #: (epoch, tensor set, digests) recorded at offload, checked at resume.
-        self._recorded: tuple[int, TensorSet, dict[str, str]] | None = None
+        self._recorded: tuple[int, TensorSet, PendingDigests] | None = None
+        #: Seconds the host waited for the recorded digests at their join, this cycle.
+        self._waited_s = 0.0
+        self._verified_tags: frozenset[str] | None = None
+        self._tags_read_at: object = object()  # the trainer's structure_version when they were read
         self.table: Mapping[StepKind, Action] = MappingProxyType(
             {
                 StepKind.BACKUP: self.backup,
@@ -69,9 +81,9 @@ class Actions:
                 StepKind.PAUSE_MEMORY: self.pause_memory,
                 StepKind.RESUME_MEMORY: self.resume_memory,
                 StepKind.PUSH_WEIGHTS: self.push_weights,
-                StepKind.CAST_MAIN_TO_PARAMS: lambda s, e: trainer.cast_main_to_params(),
+                StepKind.CAST_MAIN_TO_PARAMS: self.cast_main_to_params,
                 StepKind.RESTORE: self.restore,
-                StepKind.PARAM_SYNC: lambda s, e: trainer.param_sync(),
+                StepKind.PARAM_SYNC: self.param_sync,
                 StepKind.VERIFY: self.verify,
             }
         )
@@ -93,7 +105,16 @@ class Actions:
     def backup(self, step: Step, epoch: int) -> StepReport | None:
         return _merge([self._trainer.backup(tag) for tag in step.tags])
 
+    def cast_main_to_params(self, step: Step, epoch: int) -> StepReport | None:
+        self._join()
+        return self._trainer.cast_main_to_params()
+
+    def param_sync(self, step: Step, epoch: int) -> StepReport | None:
+        self._join()
+        return self._trainer.param_sync()
+
     def restore(self, step: Step, epoch: int) -> StepReport | None:
+        self._join()
         return _merge([self._trainer.restore(tag) for tag in step.tags])
 
     def record_digests(self, step: Step, epoch: int) -> None:
@@ -102,22 +123,48 @@ class Actions:
             return
         tensors = self._trainer.tensors()
         threads = self._verify_config.threads
-        self._recorded = (epoch, TensorSet.of(tensors.items()), digest_tensors(tensors, threads=threads))
+        pending = start_digests(tensors, threads=threads)  # first: the host work below overlaps the kernel
+        # The memory tags that hold tensors() (None: unknown), read again when the trainer's structure
+        # changed (a buffer registered since would change them).
+        version = getattr(self._trainer, "structure_version", None)
+        if version is None or version != self._tags_read_at:
+            held = getattr(self._trainer, "verified_tags", None)
+            self._verified_tags = frozenset(held) if held is not None else None
+            self._tags_read_at = version if version is not None else object()
+        self._waited_s = 0.0
+        self._recorded = (epoch, TensorSet.of(tensors.items()), pending)
+
+    def _join(self) -> None:
+        """Wait for the recorded digests (a no-op once they are in): what they read may change next."""
+        if self._recorded is not None and not self._recorded[2].ready:
+            t0 = perf_counter()
+            self._recorded[2].result()
+            self._waited_s += perf_counter() - t0
+
+    def _pause_trainer(self, tag: str) -> None:
+        if self._verified_tags is None or tag in self._verified_tags:
+            self._join()
+        self._trainer.pause_memory(tag)
 
     def verify(self, step: Step, epoch: int) -> None:
         if self._recorded is None or self._recorded[0] != epoch:
             return
-        _, before_set, before = self._recorded
+        _, before_set, recorded = self._recorded
+        self._join()
+        before = recorded.result()
         tensors = self._trainer.tensors()
+        # Queued before the tensor set is compared: on a GPU that host work overlaps the kernel.
+        pending = start_digests(tensors, threads=self._verify_config.threads)
         after_set = TensorSet.of(tensors.items())
         try:
             if after_set != before_set:
+                pending.result()  # nothing may still read the tensors when the error leaves
                 raise TensorSetChangedError(
                     epoch=epoch,
                     added=sorted(after_set.names - before_set.names),
                     removed=sorted(before_set.names - after_set.names),
                 )
-            after = digest_tensors(tensors, threads=self._verify_config.threads)
+            after = pending.result()
             bad = sorted(n for n in before if before[n] != after[n])
             if bad:
                 raise VerificationError(epoch=epoch, mismatched=bad)
@@ -127,7 +174,7 @@ class Actions:
             raise
         self._recorded = None
         self._tracer.emit(VERIFIED, epoch=epoch, trigger=Trigger.RESUME.value, state=State.SYNCED.value,
-                          tensors=len(after), scheme=DIGEST_SCHEME)  # fmt: skip
+                          tensors=len(after), scheme=DIGEST_SCHEME, waited_s=self._waited_s)  # fmt: skip
 
     def push_weights(self, step: Step, epoch: int) -> StepReport | None:
         engine = self._engine

@@ -171,6 +171,11 @@ def rank_structure_and_divergence(ctx: Any) -> dict[str, Any]:
         config=MegatronDriverConfig.from_megatron(frozen.chunks, frozen.optimizer, extra_params=(name,)),
     )
     out["extra_param_backed_up"] = name in ok._extras()
+    plain = build_tiny_gpt(GptConfig(with_extras=False))
+    out["verified_tags"] = {
+        "plain": sorted(MegatronTrainer(chunks=plain.chunks, optimizer=plain.optimizer).verified_tags or ["unknown"]),
+        "frozen": sorted(ok.verified_tags or ["unknown"]),
+    }
     backup = MegatronTrainer(
         chunks=frozen.chunks,
         optimizer=frozen.optimizer,
@@ -203,6 +208,7 @@ def rank_structure_and_divergence(ctx: Any) -> dict[str, Any]:
         out["misnamed_extra"] = list(exc.violations)
 
     driver = build_cpu_gpt_trainer(saver=CpuMemorySaver(), ci=True)
+    out["verified_tags"]["with_buffers"] = sorted(driver.verified_tags or ["unknown"])
     counters = [_CountingSync(chunk) for chunk in driver.chunks]
     lc = _lifecycle(driver, guard_timeout_s=20.0)
     lc.start()

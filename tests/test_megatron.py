@@ -69,7 +69,7 @@ def test_rematerialize_keeps_only_extras_and_a_skipped_cast_is_caught(assert_no_
 
 
 def test_structure_refusals_and_divergence_caught_before_all_gather(assert_no_leftovers):
-    """A frozen param is refused at construction by name; a config that contradicts the
+    """A frozen param is refused at construction by name (and makes the params' tags unknown); a config that contradicts the
     megatron objects lists every contradiction; and when rank 1's tensor set differs, the
     SYNC guard fails on both ranks before either enters start_param_sync."""
     results = _results(run_ranks(rank_structure_and_divergence, 2, timeout_s=120))
@@ -80,6 +80,9 @@ def test_structure_refusals_and_divergence_caught_before_all_gather(assert_no_le
         assert "did you mean 'module.decoder.final_layernorm.weight'" in " ".join(r["misnamed_extra"])
         assert r["extra_param_backed_up"] is True
         assert r["backup_accepts_frozen"] == "backup"
+        # Only a model whose every tensor lies in a DDP param buffer lets the verification's
+        # record pass overlap pauses of other tags; a frozen param or a module buffer joins first.
+        assert r["verified_tags"] == {"plain": ["param_buffer"], "frozen": ["unknown"], "with_buffers": ["unknown"]}
         assert len(r["mismatch_violations"]) == 3
         assert r["syncs_after_healthy_cycle"][0] >= 1
         assert r["divergence"]["field"] == "tensor set"

@@ -100,6 +100,24 @@ def _speed(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _engine_memory_check(result: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's release and resume, measured by the device's bytes in use: what each tag freed and took
+    back, per run in order; ok when every run measured both tags each cycle and no drift was warned."""
+    per_run, ok = [], bool(result.get("runs"))
+    for run in result.get("runs", []):
+        rows = run.get("engine_memory", [])
+        figures: dict[str, dict[str, list[int]]] = {}
+        for r in rows:
+            moved = r["in_use_before"] - r["in_use_after"] if r["op"] == "release" else r["in_use_after"] - r["in_use_before"]
+            figures.setdefault(r["tag"], {}).setdefault("freed" if r["op"] == "release" else "taken", []).append(moved)
+        cycles = len(run.get("cycles", []))
+        measured = all(len(figures.get(t, {}).get("taken", [])) >= cycles for t in ("weights", "kv_cache"))
+        ok &= measured and not run.get("drift_warnings")
+        per_run.append({"run": f"{run['strategy']}/{run['load_format']}", "bytes": figures,
+                        "drift_warnings": run.get("drift_warnings", [])})  # fmt: skip
+    return _check(ok, runs=per_run)
+
+
 def summarize(cfg: LoopConfig, result: dict[str, Any]) -> None:
     """``result["checks"]`` (each with ``ok``) and ``result["ok"]``."""
     cycles = _cycles(result)
@@ -126,6 +144,7 @@ def summarize(cfg: LoopConfig, result: dict[str, Any]) -> None:
                                                    least_mean_abs=min((x["mean_abs"] for x in changed), default=None)),
         "sha256_verified_every_cycle": _check(bool(cycles) and all(c["verified_sha256"] for c in cycles)),
         "memory_paused_vs_training": _memory_check(result),
+        "engine_memory_measured_without_drift": _engine_memory_check(result),
         "server_stopped": _check(result.get("server", {}).get("stopped", False)),
     }  # fmt: skip
     if cfg.shape is not FULL:

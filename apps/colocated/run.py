@@ -14,6 +14,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -45,18 +46,25 @@ def device_copy_GBps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def _lifecycle(ctx: Any, strategy: Any, load_format: str | None, host: Any, trace_dir: Path,
                profile_cycle: int) -> dict[str, Any]:  # fmt: skip
     """One ``Lifecycle`` from ``start`` through ``cfg.cycles`` cycles; the engine left resident afterwards."""
+    import torch
+
     from miles_fsm.apps.colocated.checks import engine_checksums
     from miles_fsm.apps.colocated.cycle import run_cycle, transition_rows
     from miles_fsm.apps.colocated.trainer import PushTrainer
     from miles_fsm.config import GuardConfig, LifecycleConfig
     from miles_fsm.drivers.megatron.config import MegatronDriverConfig
     from miles_fsm.drivers.sglang.driver import HttpConfig, SGLangConfig, SGLangEngineDriver
+    from miles_fsm.drivers.sglang.memory import device_memory_probe
+    from miles_fsm.states.drift import MemoryDriftWarning
     from miles_fsm.states.lifecycle import Lifecycle
 
     cfg = ctx.cfg
     expected = functools.partial(_in_phase, ctx.timer, "expected checksums (trainer hashes)", engine_checksums)
+    # The engine's release and resume are measured by the device's bytes in use (the trainer waits meanwhile).
+    probe = device_memory_probe(torch.cuda.current_device())
     engine = SGLangEngineDriver.http(ctx.server.url, config=SGLangConfig(load_format=load_format,
-                                     expected_checksums=expected), http=HttpConfig(timeout_s=cfg.request_timeout_s))
+                                     expected_checksums=expected, memory_probe=probe),
+                                     http=HttpConfig(timeout_s=cfg.request_timeout_s))  # fmt: skip
     dcfg = MegatronDriverConfig.from_megatron([ctx.gpt.chunk], ctx.gpt.optimizer, strategy=strategy, ci=True,
                                               optimizer_offload="driver")  # fmt: skip
     trainer = PushTrainer(gpt=ctx.gpt, vocab=cfg.shape.vocab, copy=load_format is None, timer=ctx.timer, config=dcfg,
@@ -68,26 +76,34 @@ def _lifecycle(ctx: Any, strategy: Any, load_format: str | None, host: Any, trac
                            "state": "INITIAL"}  # fmt: skip
     ctx.runs.append(out)  # in the JSON from now on: a run cut short keeps the cycles it finished
     error: BaseException | None = None
-    try:
-        out["start"] = transition_rows([lc.start()])
-        for c in range(cfg.cycles):
-            row = run_cycle(ctx, lc, trainer, engine, profile=c + 1 == profile_cycle)
-            out["cycles"].append(row)
-            lp, push = row["checks"]["logprobs"], row["push"]
-            wrong = ", ".join(f"{k} {v['mean_abs']:.3f}" for k, v in row["checks"]["wrong_conversions"].items())
-            print(f"[{label}] cycle {c + 1}: loss {row['loss']:.3f}, logprobs max|d| {lp['max_abs']:.4f} "
-                  f"mean|d| {lp['mean_abs']:.4f}, push {push['bytes'] / 1e9:.2f} GB in {push['s'] or 0:.3f} s, "
-                  f"wrong conversions mean|d|: {wrong}", flush=True)  # fmt: skip
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        out["state"] = lc.state.value
-        lc.close(error=error)
-        if lc.state.value == "TRAINING":
-            engine.resume_all()  # the next lifecycle's start releases them again
-        engine.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MemoryDriftWarning)
+        try:
+            out["start"] = transition_rows([lc.start()])
+            for c in range(cfg.cycles):
+                row = run_cycle(ctx, lc, trainer, engine, profile=c + 1 == profile_cycle)
+                out["cycles"].append(row)
+                _say(label, c, row)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            out["drift_warnings"] = [str(w.message) for w in caught if issubclass(w.category, MemoryDriftWarning)]
+            out["engine_memory"] = [dict(r) for r in engine.memory_log]
+            out["state"] = lc.state.value
+            lc.close(error=error)
+            if lc.state.value == "TRAINING":
+                engine.resume_all()  # the next lifecycle's start releases them again
+            engine.close()
     return out
+
+
+def _say(label: str, c: int, row: dict[str, Any]) -> None:
+    lp, push = row["checks"]["logprobs"], row["push"]
+    wrong = ", ".join(f"{k} {v['mean_abs']:.3f}" for k, v in row["checks"]["wrong_conversions"].items())
+    print(f"[{label}] cycle {c + 1}: loss {row['loss']:.3f}, logprobs max|d| {lp['max_abs']:.4f} "
+          f"mean|d| {lp['mean_abs']:.4f}, push {push['bytes'] / 1e9:.2f} GB in {push['s'] or 0:.3f} s, "
+          f"wrong conversions mean|d|: {wrong}", flush=True)  # fmt: skip
 
 
 def _setup(cfg: LoopConfig, server: SGLangServer, result: dict[str, Any]) -> Any:

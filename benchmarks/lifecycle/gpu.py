@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .transitions import CYCLE, OFFLOAD, WAKE, phase, trace_events, transition_row, verification_share
+from .transitions import CYCLE, OFFLOAD, WAKE, phase, trace_events, transition_row, verification_share, verified_waits
 from .verify import verification_bench
 
 
@@ -184,6 +184,8 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                 if name == "pause":
                     torch.cuda.synchronize()
                     free_paused, _ = torch.cuda.mem_get_info()
+            torch.cuda.synchronize()
+            marks["end"] = time.perf_counter()
             opt_exact = digest_tensors(driver.optimizer_state()) == opt_before if check else None
             results.append(rs)
             cycles.append(
@@ -197,6 +199,7 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                     "alloc_s": sum(rec.alloc_s for rec in host.log if rec.key in ("actor", OPTIMIZER_KEY)),
                     "offload_wall_s": marks["pause_done"] - marks["offload"],
                     "wake_wall_s": marks["sync_done"] - marks["rematerialize"],
+                    "cycle_wall_s": marks["end"] - marks["offload"],
                     "transfers": [
                         {"key": r.key, "op": r.op, "bytes": r.nbytes, "s": r.seconds, "alloc_s": r.alloc_s,
                          "waited": r.waited, "GBps": r.gbps if r.waited else None}
@@ -209,7 +212,9 @@ def run_gpu(args: argparse.Namespace, limits: dict[str, Any]) -> dict[str, Any]:
                   + f" opt_exact={opt_exact}", flush=True)
         lc.close()
         events = trace_events(trace_dir / "rank-0.jsonl")
+        waits = verified_waits(trace_dir / "rank-0.jsonl")
         for cyc, rs in zip(cycles, results):
+            cyc["verify_wait_s"] = waits.get(cyc["epoch"], 0.0)
             mv = cyc["moved"]
             cyc["transitions"] = {
                 n: transition_row(r, events.get((r.epoch, n), 0), mv[n]["memory_save"] + mv[n]["memory_load"], limits)

@@ -43,6 +43,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                 "max": max(c["verify_share"] for c in verified),
                 "median_of_transitions": statistics.median(c["verify_share_of_transitions"] for c in verified),
                 "median_verify_s": statistics.median(c["verify_s"] for c in verified),
+                "median_verify_wait_s": statistics.median(c.get("verify_wait_s", 0.0) for c in verified),
                 "median_cycle_s": statistics.median(c["cycle_s"] for c in verified),
             }
         summary[strategy] = entry
@@ -51,7 +52,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                                                  "threaded_per_tensor_GBps", "speedup_vs_naive", "stable")}
     if "speedup_vs_naive_per_round" in v:  # absent from results written before issue 18
         summary["verification"]["speedup_vs_naive_per_round"] = v["speedup_vs_naive_per_round"]
-    for key in ("device_GBps", "device_vs_pipelined", "scheme"):  # the device digest: issue 27, CUDA only
+    for key in ("device_GBps", "device_vs_pipelined", "device_launch_s", "scheme"):  # the device digest: issue 27, CUDA only
         if key in v:
             summary["verification"][key] = v[key]
     if "demo" in result:

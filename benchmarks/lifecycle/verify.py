@@ -40,7 +40,7 @@ def verification_bench(tensors: Mapping[str, Any], *, threads: int, sync: Any, r
     round. A path's figure is its median; each ratio is per round.
     """
     from miles_fsm import digest_device
-    from miles_fsm.digest import DIGEST_SCHEME, digest_tensors, tensor_digest
+    from miles_fsm.digest import DIGEST_SCHEME, digest_tensors, start_digests, tensor_digest
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     first = next(iter(tensors))
@@ -82,6 +82,15 @@ def verification_bench(tensors: Mapping[str, Any], *, threads: int, sync: Any, r
         out["device_vs_pipelined_per_round"] = ratio_spread(times["pipelined"], times["device"])
         out["device_vs_pipelined"] = out["device_vs_pipelined_per_round"]["median"]
         out["device_matches_pipelined"] = results["device"] == results["pipelined"]
+        # The host's part of the device path: until start_digests returns (the table, the launch).
+        launched = []
+        for _ in range(rounds):
+            sync()
+            t0 = time.perf_counter()
+            pending = start_digests(tensors, threads=threads, on_device=True)
+            launched.append(time.perf_counter() - t0)
+            pending.result()
+        out["device_launch_s"] = spread(launched)["median"]
     # The pipelined (device) path must give the definition's digest, computed here on the host.
     largest = max(tensors, key=lambda n: tensors[n].numel() * tensors[n].element_size())
     sample = list(dict.fromkeys([*list(tensors)[:3], largest]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -142,3 +142,15 @@ def buffer_storages(chunks: Sequence[Any]) -> set[int]:
                 if data is not None:
                     out.add(data.untyped_storage().data_ptr())
     return out
+
+
+def tags_holding_params(chunks: Sequence[Any], named_params: Iterable[tuple[str, Any]],
+                        named_buffers: Iterable[tuple[str, torch.Tensor]]) -> frozenset[str] | None:  # fmt: skip
+    """The memory tags that hold every param and buffer, when known: ``param_buffer`` when each
+    one is a view of a DDP buffer's ``param_data`` (routed there under the distributed
+    optimizer), else None (unknown: a pause of any tag may release one)."""
+    bufs = [b for chunk in chunks for b in chunk_buffers(chunk)]
+    if any(True for _ in named_buffers) or any(getattr(b, "param_data", None) is None for b in bufs):
+        return None
+    held = {id(p) for b in bufs for p in b.params}
+    return frozenset({"param_buffer"}) if all(id(p) in held for _, p in named_params) else None

@@ -44,11 +44,10 @@ torch_memory_saver on CUDA). ``ddp_buffers_in_tags`` places each DDP buffer's
 ``param_data`` under ``param_buffer`` and ``grad_data`` under
 ``grad_buffer`` while the chunks are built.
 
-This module holds the driver; the buffer routing is in
-``drivers/megatron/buffers.py`` and the optimizer state (coalescing it, and
-its host copy) in ``drivers/megatron/optimizer.py``. ``ddp_buffers_in_tags``,
-``coalesce_optimizer_state`` and ``OPTIMIZER_KEY`` are re-exported here, next
-to the driver they are used with.
+The buffer routing is in ``drivers/megatron/buffers.py``, the optimizer
+state (coalescing it, its host copy) in ``drivers/megatron/optimizer.py``;
+``ddp_buffers_in_tags``, ``coalesce_optimizer_state`` and ``OPTIMIZER_KEY``
+are re-exported here, next to the driver they are used with.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ import torch
 
 from miles_fsm.drivers.eligibility import Eligibility, rematerialize_eligibility
 from miles_fsm.drivers.errors import HostCopyMissingError
-from miles_fsm.drivers.megatron.buffers import chunk_buffers, ddp_buffers_in_tags
+from miles_fsm.drivers.megatron.buffers import chunk_buffers, ddp_buffers_in_tags, tags_holding_params
 from miles_fsm.drivers.megatron.config import MegatronDriverConfig, megatron_facts
 from miles_fsm.drivers.megatron.optimizer import (
     OPTIMIZER_KEY,
@@ -76,15 +75,8 @@ from miles_fsm.plan import Collective, TensorSet
 from miles_fsm.states import Step, StepKind, Strategy
 from miles_fsm.states.protocols import StepReport
 
-__all__ = [
-    "ACTOR",
-    "NON_ACTOR_TAGS",
-    "OPTIMIZER_KEY",
-    "MegatronTrainer",
-    "PauseResume",
-    "coalesce_optimizer_state",
-    "ddp_buffers_in_tags",
-]
+__all__ = ["ACTOR", "NON_ACTOR_TAGS", "OPTIMIZER_KEY", "MegatronTrainer", "PauseResume", "coalesce_optimizer_state",
+           "ddp_buffers_in_tags"]  # fmt: skip
 
 ACTOR = "actor"
 NON_ACTOR_TAGS = ("ref", "teacher", "old_actor", "rollout_actor")
@@ -142,8 +134,7 @@ class MegatronTrainer:
         if self.strategy is Strategy.REMATERIALIZE:
             self._eligibility.raise_if_ineligible()
         self._extra_param_names = self._find_extra_params()
-
-    # ------------------------------------------------------------- structure
+        self._walked: tuple[int, dict[str, torch.Tensor]] = (-1, {})
 
     @property
     def config(self) -> MegatronDriverConfig:
@@ -222,19 +213,29 @@ class MegatronTrainer:
     # ------------------------------------------------------------ tensor views
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
-        """Every param and buffer of the actor, live (verification hashes these)."""
-        out: dict[str, torch.Tensor] = dict(self._named_params())
-        out.update(self._named_buffers())
-        return out
+        """Every param and buffer of the actor, live (verification hashes these). The walk is kept while
+        ``structure_version`` stands (a verified cycle asks twice); ``tensor_set()`` always walks anew,
+        so the lifecycle's re-walk still sees what the version cannot."""
+        if self._walked[0] != self.structure_version:
+            self._walked = (self.structure_version, self._walk())
+        return dict(self._walked[1])
+
+    def _walk(self) -> dict[str, torch.Tensor]:
+        return {**dict(self._named_params()), **dict(self._named_buffers())}
 
     def _extras(self) -> dict[str, torch.Tensor]:
         live = self.tensors()
         names = list(self._extra_param_names) + [n for n, _ in self._named_buffers()]
         return {n: live[n] for n in names}
 
+    @property
+    def verified_tags(self) -> frozenset[str] | None:
+        """The tags that hold ``tensors()`` (a verification join waits only before pausing these)."""
+        return tags_holding_params(self._chunks, self._named_params(), self._named_buffers())
+
     def tensor_set(self) -> TensorSet:
         """Names, shapes and dtypes of the params and buffers; never reads pause state."""
-        return TensorSet.of(self.tensors().items())
+        return TensorSet.of(self._walk().items())
 
     @property
     def structure_version(self) -> int:

@@ -22,6 +22,7 @@ _LAZY = {
     "SGLangConfig": "miles_fsm.drivers.sglang.config",
     "SGLangEngineDriver": "miles_fsm.drivers.sglang.driver",
     "SGLangTransport": "miles_fsm.drivers.sglang.protocol",
+    "device_memory_probe": "miles_fsm.drivers.sglang.memory",
 }
 
 __all__ = [
@@ -34,12 +35,14 @@ __all__ = [
     "SGLangConfig",
     "SGLangEngineDriver",
     "SGLangTransport",
+    "device_memory_probe",
 ]
 
 if TYPE_CHECKING:
     from miles_fsm.drivers.sglang.config import DistributedConfig, SGLangConfig
     from miles_fsm.drivers.sglang.driver import SGLangEngineDriver
     from miles_fsm.drivers.sglang.http import HttpConfig, HttpTransport
+    from miles_fsm.drivers.sglang.memory import device_memory_probe
     from miles_fsm.drivers.sglang.offline import EngineTransport
     from miles_fsm.drivers.sglang.protocol import EngineCapabilities, EngineChecksums, SGLangTransport
 

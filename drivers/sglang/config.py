@@ -8,6 +8,7 @@ touched. They hold no behaviour, which is why they sit apart from the driver.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from miles_fsm.drivers.sglang.checksums import ExpectedChecksums
@@ -71,9 +72,16 @@ class SGLangConfig:
     #: names and hash. Without it, engines that received the same push must agree.
     expected_checksums: ExpectedChecksums | None = None
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    #: Reads the device bytes in use where the engines run (``device_memory_probe(index)`` when the
+    #: engine shares this process's GPU). Read before and after each release and resume, so the
+    #: driver can say what each tag frees and takes back (``memory_log``, ``device_bytes_by_tag``),
+    #: and the drift check can judge it cycle by cycle. None: the engine's memory is not measured.
+    memory_probe: Callable[[], int] | None = None
 
     def __post_init__(self) -> None:
         problems = []
+        if self.memory_probe is not None and not callable(self.memory_probe):
+            problems.append(f"memory_probe must be a callable returning device bytes in use, got {self.memory_probe!r}")
         if self.method not in ("tensor", "distributed"):
             problems.append(f"method must be 'tensor' or 'distributed', got {self.method!r}")
         if self.bucket_bytes < 1:

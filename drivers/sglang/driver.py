@@ -92,7 +92,8 @@ class SGLangEngineDriver:
             raise ConfigError([f"engine names must be unique, got {names}"], "SGLangEngineDriver")
         self._transports = tuple(transports)
         self._config = config or SGLangConfig()
-        self._memory = EngineMemory(self._transports, pause=self._config.pause_mode is not None)
+        self._memory = EngineMemory(self._transports, pause=self._config.pause_mode is not None,
+                                    probe=self._config.memory_probe)  # fmt: skip
         self._open_sessions: dict[str, str] = {}
         self._pushed: dict[str, str] = {}
         self._capabilities: dict[str, EngineCapabilities] = {}
@@ -174,6 +175,19 @@ class SGLangEngineDriver:
     def release_all(self, tags: Sequence[str] | None = None) -> None:
         """Release several tags (None: all three), one request per tag."""
         self._memory.release_all(tags)
+
+    @property
+    def memory_log(self) -> tuple[Mapping[str, Any], ...]:
+        """Each measured release and resume, oldest first (``SGLangConfig.memory_probe``; empty without one)."""
+        return tuple(self._memory.log)
+
+    def device_bytes_by_tag(self) -> dict[str, int]:
+        """Per tag, the device bytes its last resume took back (the drift snapshot's ``engine:`` figures)."""
+        return dict(self._memory.taken)
+
+    def host_bytes_by_tag(self) -> dict[str, int]:
+        """The engine's host memory is not measured from here."""
+        return {}
 
     def resume_all(self, tags: Sequence[str] | None = None) -> None:
         """Resume several tags (None: every released one) in SGLang's order: cuda_graph, weights, kv_cache."""

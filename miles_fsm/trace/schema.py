@@ -85,7 +85,7 @@ EVENTS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         GUARD_FAILED: _ERROR,
         ACTION_STARTED: ("action", "mem_before"),
         ACTION_FINISHED: ("action", "duration_s", "bytes_moved", "host_bytes", "mem_before", "mem_after"),
-        VERIFIED: ("tensors", "scheme"),
+        VERIFIED: ("tensors", "scheme", "waited_s"),
         VERIFY_FAILED: ("tensors", "where", "scheme"),
         TRANSITION_FINISHED: ("source", "duration_s"),
         TRANSITION_FAILED: ("source", "action", "phase", *_ERROR),
