@@ -34,8 +34,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from miles_fsm.apps.colocated.checks import engine_checksums, layer_split
+from miles_fsm.apps.colocated.server import free_port, server_env, stop_process_group
 
 #: A small Llama; dummy weights. 221 MB of bf16 weights, so that releasing them frees a measurable
 #: amount: the 3.4 MB of ``../shared/sglang-h200/tiny-config.json``'s shape read as -14.7 MB "freed"
@@ -90,27 +91,11 @@ GIB = 1 << 30
 # ---------------------------------------------------------------- the server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _server_env() -> dict[str, str]:
-    """The server's environment: the memory saver's preload library needs torch's CUDA runtime on the path."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("FLASHINFER_USE_CUDA_NORM", "1")
-    cuda_lib = Path(torch.__file__).resolve().parent.parent / "nvidia" / "cu13" / "lib"
-    if cuda_lib.is_dir():
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(cuda_lib), env.get("LD_LIBRARY_PATH")) if p)
-    return env
-
-
 class Server:
     """One ``sglang.launch_server`` process group; ``stop()`` ends all of it."""
 
     def __init__(self, *, model_dir: Path, log_path: Path, cuda_graph: bool) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.cuda_graph = cuda_graph
@@ -126,7 +111,7 @@ class Server:
         log = self.log_path.open("ab")
         t0 = time.monotonic()
         # A session of its own, so that stop() reaches the scheduler and detokenizer too.
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=_server_env(),
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
                                      start_new_session=True)  # fmt: skip
         log.close()
         while time.monotonic() - t0 < timeout_s:
@@ -165,23 +150,8 @@ class Server:
         return False
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # The group may outlive its leader (scheduler, detokenizer): make sure it is gone.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.proc is not None:
+            stop_process_group(self.proc)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -330,45 +300,6 @@ def random_weights(cfg: Mapping[str, Any], seed: int, device: str) -> list[tuple
     return out
 
 
-#: SGLang's Llama fuses these: the engine's weight is the concatenation, in this order, along dim 0.
-FUSED = {
-    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
-
-
-def llama_engine_checksums(named: Sequence[tuple[str, torch.Tensor]]) -> list[dict[str, str]]:
-    """What SGLang's ``/weights_checker`` must report after a push of ``named`` (one TP rank).
-
-    The engine hashes its own parameters, fused as ``FUSED`` says, with its
-    GPU tensor hash; the same hash of the same bytes, laid out the same way,
-    must match weight for weight.
-    """
-    from sglang.kernels.ops.memory.gpu_tensor_hash import gpu_tensor_hash
-
-    by_name = dict(named)
-    fused_part = {part: (fused, members) for fused, members in FUSED.items() for part in members}
-    layout: dict[str, torch.Tensor] = {}
-    for name, t in by_name.items():
-        base, local = _layer_split(name)
-        if local not in fused_part:
-            layout[name] = t
-            continue
-        fused, members = fused_part[local]
-        if local == members[0]:  # the fused weight is built once, at its first member
-            layout[base + fused] = torch.cat([by_name[base + m] for m in members], dim=0)
-    return [{n: f"{gpu_tensor_hash(t.to('cuda').contiguous()):016x}" for n, t in layout.items()}]
-
-
-def _layer_split(name: str) -> tuple[str, str]:
-    """``model.layers.3.mlp.up_proj.weight`` -> (``model.layers.3.``, ``mlp.up_proj.weight``); else (``""``, name)."""
-    head, sep, rest = name.partition(".layers.")
-    if not sep:
-        return "", name
-    layer, _, local = rest.partition(".")
-    return f"{head}.layers.{layer}.", local
-
-
 class LlamaLayout:
     """A ``ReferenceTrainer`` whose push speaks the engine's Llama: the trainer's weights laid onto its names.
 
@@ -402,7 +333,7 @@ class LlamaLayout:
         return getattr(self._trainer, name)
 
     def _source(self, llama_name: str) -> str:
-        base, local = _layer_split(llama_name)
+        base, local = layer_split(llama_name)
         for suffix, ref in self.SOURCES:
             if llama_name.endswith(suffix):
                 # "model.layers.3." -> "layers.3.": the reference trainer's per-layer names.
@@ -480,7 +411,7 @@ class Run:
         from miles_fsm.drivers.sglang.driver import HttpConfig, SGLangConfig, SGLangEngineDriver
 
         assert self.server is not None  # every check starts from live_server()
-        config.setdefault("expected_checksums", llama_engine_checksums)
+        config.setdefault("expected_checksums", engine_checksums)
         return SGLangEngineDriver.http(
             self.server.url, config=SGLangConfig(**config), http=HttpConfig(timeout_s=120, read_retries=2)
         )
@@ -632,7 +563,7 @@ class Run:
         w2 = random_weights(self.cfg, seed=2, device="cuda")
         # Import sglang's hash and compile its kernel here, so push_s times the push alone.
         t0 = time.monotonic()
-        llama_engine_checksums(w1)
+        engine_checksums(w1)
         self.result["checksum_setup_s"] = round(time.monotonic() - t0, 3)
         self.check("push_cuda_tensors", lambda: self.push("w1", w1, "w1"))
         self.check("push_flattened_bucket", lambda: self.push("w2", w2, "w2", load_format="flattened_bucket"))

@@ -162,15 +162,22 @@ class PendingDigests:
     @property
     def ready(self) -> bool:
         """Whether ``result()`` would return without waiting for a device."""
-        return self._out is not None or all(p.ready for _, p in self._on_device)
+        return not self._on_device or all(p.ready for _, p in self._on_device)
+
+    def _landed(self) -> dict[str, list[bytes | None]]:
+        for dev_names, pending in self._on_device:
+            for name, joined in zip(dev_names, pending.result(), strict=True):
+                self._leaves[name] = [joined]
+        self._on_device = []
+        return self._leaves
+
+    def chunks(self) -> dict[str, bytes]:
+        """Per name, its chunk digests joined (no root hashed): for equal sizes, equal exactly when the digests are."""
+        return {name: b"".join(cast("list[bytes]", parts)) for name, parts in self._landed().items()}
 
     def result(self) -> dict[str, str]:
         if self._out is None:
-            for dev_names, pending in self._on_device:
-                for name, joined in zip(dev_names, pending.result(), strict=True):
-                    self._leaves[name] = [joined]
-            self._on_device = []
-            self._out = _roots(self._scheme, self._names, self._sizes, self._leaves)
+            self._out = _roots(self._scheme, self._names, self._sizes, self._landed())
         return self._out
 
 

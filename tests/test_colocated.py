@@ -105,3 +105,35 @@ def test_the_run_configs():
                                                           "need >= 1 prompt of >= 2 tokens, got 8 x 1"]
     if not torch.cuda.is_available():
         assert "needs a CUDA GPU" in problems
+
+
+def test_stopping_a_server_ends_its_whole_process_group(tmp_path):
+    """A server's scheduler may ignore TERM and outlive the launcher: ``stop_process_group`` still leaves
+    nothing running (the colocated loop and ``gpu_sglang.py`` stop their servers through it)."""
+    import os
+    import subprocess
+    import time
+
+    from miles_fsm.apps.colocated.server import stop_process_group
+
+    pid_file = tmp_path / "child.pid"
+    # The child ignores TERM, as a busy scheduler may; the leader dies on TERM.
+    script = f"(trap '' TERM; echo $BASHPID > {pid_file}; sleep 60) & wait"
+    proc = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    stop_process_group(proc)
+    assert proc.poll() is not None
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the TERM-ignoring child outlived stop_process_group")
+    stop_process_group(proc)  # idempotent: the group is gone

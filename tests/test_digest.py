@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from miles_fsm.digest import CHUNK_BYTES, DIGEST_SCHEME, SCHEMES, digest_tensors, tensor_digest
+from miles_fsm.digest import CHUNK_BYTES, DIGEST_SCHEME, SCHEMES, digest_tensors, start_digests, tensor_digest
 from miles_fsm.errors import MemoryReleasedError
 
 
@@ -56,6 +56,22 @@ def test_one_flipped_bit_in_the_last_chunk_changes_the_digest():
     before = digest_tensors({"x": t, "y": torch.ones(3)}, threads=2)["x"]
     t[-1] ^= 1
     assert digest_tensors({"x": t, "y": torch.ones(3)}, threads=2)["x"] != before
+
+
+def test_chunk_digests_are_the_leaves_of_the_definition_and_see_a_flipped_bit():
+    """What ``verify`` compares (``PendingDigests.chunks``, no roots hashed) is exactly the chunk digests
+    the definition roots, on one thread and on the pool; a flip in any chunk changes them."""
+    g = torch.Generator().manual_seed(2)
+    t = torch.randint(0, 256, (CHUNK_BYTES + 300,), dtype=torch.uint8, generator=g)
+    chunk = SCHEMES[DIGEST_SCHEME]
+    data = t.numpy().tobytes()
+    leaves = b"".join(hashlib.sha256(data[a : a + chunk]).digest() for a in range(0, len(data), chunk))
+    for threads in (1, 3):
+        pending = start_digests({"x": t, "e": torch.empty(0)}, threads=threads)
+        assert pending.chunks() == {"x": leaves, "e": b""}
+        assert pending.result()["x"] == _by_definition(data, chunk, b"v2")
+    t[CHUNK_BYTES // 2] ^= 1
+    assert start_digests({"x": t}).chunks()["x"] != leaves
 
 
 def test_released_storage_is_refused_and_hashing_leaves_storage_resizable():

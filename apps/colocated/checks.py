@@ -20,7 +20,8 @@ from miles_fsm.drivers.errors import EngineRequestError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FUSED", "compare", "engine_checksums", "engine_layout", "input_logprobs", "verdict", "wrong_caught"]
+__all__ = ["FUSED", "compare", "engine_checksums", "engine_layout", "input_logprobs", "layer_split", "verdict",
+           "wrong_caught"]  # fmt: skip
 
 #: SGLang's Llama fuses these: the engine's weight is the concatenation, in this order, along dim 0.
 FUSED = {
@@ -96,7 +97,7 @@ def wrong_caught(wrong: Mapping[str, float], right: Mapping[str, float], tol: To
     return not verdict(wrong, tol) and wrong["mean_abs"] >= tol.margin * max(right["mean_abs"], 1e-6)
 
 
-def _layer_split(name: str) -> tuple[str, str]:
+def layer_split(name: str) -> tuple[str, str]:
     """``model.layers.3.mlp.up_proj.weight`` -> (``model.layers.3.``, ``mlp.up_proj.weight``); else ("", name)."""
     head, sep, rest = name.partition(".layers.")
     if not sep:
@@ -117,7 +118,7 @@ def engine_layout(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, torch.
     part_of = {part: (fused, members) for fused, members in FUSED.items() for part in members}
     out: dict[str, torch.Tensor] = {}
     for name, t in by_name.items():
-        base, local = _layer_split(name)
+        base, local = layer_split(name)
         if local not in part_of:
             out[name] = t
             continue

@@ -20,7 +20,7 @@ from typing import Any
 
 from miles_fsm.apps.colocated.config import LoopConfig
 from miles_fsm.apps.colocated.report import parse_args, summarize, write_json
-from miles_fsm.apps.colocated.server import SGLangServer
+from miles_fsm.apps.colocated.server import SGLangServer, free_port
 
 __all__ = ["device_copy_GBps", "main", "run_loop"]
 
@@ -182,7 +182,7 @@ def run_loop(cfg: LoopConfig, result: dict[str, Any]) -> None:
                           mem_fraction=cfg.mem_fraction_static)  # fmt: skip
     result["server"] = {"argv": server.argv[1:], "log": str(server.log_path)}
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         ctx = _setup(cfg, server, result)
         ctx.runs = result["runs"]
@@ -209,14 +209,6 @@ def run_loop(cfg: LoopConfig, result: dict[str, Any]) -> None:
 def _in_phase(timer: Any, name: str, fn: Any, *args: Any) -> Any:
     with timer.phase(name):
         return fn(*args)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _terminated(signum: int, frame: object) -> None:

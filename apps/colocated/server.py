@@ -22,7 +22,7 @@ from typing import Any
 
 from miles_fsm.drivers.errors import EngineRequestError
 
-__all__ = ["SERVER_FLAGS", "SGLangServer", "server_env"]
+__all__ = ["SERVER_FLAGS", "SGLangServer", "free_port", "server_env", "stop_process_group"]
 
 #: ``../shared/sglang-h200/README.md``'s flags: no tokenizer (requests send ids), triton attention,
 #: the memory saver on; bf16 named, so that a config without a dtype cannot fall back to fp16.
@@ -33,7 +33,8 @@ SERVER_FLAGS = (
 )  # fmt: skip
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -51,6 +52,24 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
+    """TERM, then KILL, the process group ``proc`` leads (started with ``start_new_session``); idempotent."""
+    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # the group may outlive its leader (scheduler, detokenizer)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 class SGLangServer:
     """A server over a model directory holding only ``config.json`` (dummy weights)."""
 
@@ -58,7 +77,7 @@ class SGLangServer:
         self.model_dir = workdir / "model"
         self.model_dir.mkdir(parents=True, exist_ok=True)
         (self.model_dir / "config.json").write_text(json.dumps(config, indent=1))
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
@@ -98,22 +117,8 @@ class SGLangServer:
 
     def stop(self) -> None:
         """TERM, then KILL, the whole process group; idempotent."""
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # the group may outlive its leader (scheduler, detokenizer)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.proc is not None:
+            stop_process_group(self.proc)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -218,7 +218,7 @@ class MegatronTrainer:
         so the lifecycle's re-walk still sees what the version cannot."""
         if self._walked[0] != self.structure_version:
             self._walked = (self.structure_version, self._walk())
-        return dict(self._walked[1])
+        return MappingProxyType(self._walked[1])
 
     def _walk(self) -> dict[str, torch.Tensor]:
         return {**dict(self._named_params()), **dict(self._named_buffers())}
