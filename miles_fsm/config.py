@@ -70,7 +70,7 @@ class VerifyConfig:
     ``cycles`` is how many cycles are verified from the start; None means
     every cycle. ``"auto"`` (the default) means every cycle where the
     digests are hashed on the GPU (a CUDA host with Triton: on the H200
-    megatron bench, 1.8-2.2% of a short verified cycle, docs/benchmarks.md), and the first
+    megatron bench, 1.5-1.8% of a short verified cycle, docs/benchmarks.md), and the first
     ``AUTO_HOST_CYCLES`` elsewhere, where the host hashes every byte. A
     number limits verification to the first cycles on every host.
     ``CI=true`` in the environment also means every cycle, unless
