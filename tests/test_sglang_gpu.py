@@ -32,7 +32,9 @@ def result(tmp_path_factory):
     out = out_dir / "sglang_h200.json"
     proc = subprocess.run(
         # As a script, not with -m: the checkout's own miles_fsm/ folder must not shadow the installed package.
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_sglang.py"), "--out", str(out), "--budget-s", "560"],
+        # The budget stays under the timeout below; a cold machine's first server start
+        # took 151-157 s on the H200, the next ones about 60 s.
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_sglang.py"), "--out", str(out), "--budget-s", "840"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -40,7 +42,7 @@ def result(tmp_path_factory):
     )
     if not out.exists():
         pytest.fail(f"no JSON (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "_exit_code": proc.returncode}
 
 
 pytestmark = [
@@ -108,3 +110,14 @@ def test_misuse_that_kills_the_test_server_kills_real_sglang_too(result):
     """Double release, resume of an unreleased tag, and release while busy each take the real server down."""
     for name in ("fatal_double_release", "fatal_resume_unreleased", "fatal_release_while_busy"):
         assert _check(result, name)["server_died"], name
+
+
+def test_the_scripts_exit_code_is_its_verdict(result):
+    """A job that runs the script reads its exit code: 0 exactly when every check passed.
+
+    torch_memory_saver's torch hook exits 1 at interpreter shutdown once region
+    tensors were made; the script must not let that overrule its checks.
+    """
+    if "_exit_code" not in result:
+        pytest.skip("MILES_FSM_SGLANG_RESULT reuses a JSON, which carries no exit code")
+    assert result["_exit_code"] == (0 if result["ok"] else 1), result["_exit_code"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_fsm.apps.colocated.config import LoopConfig
-from miles_fsm.apps.colocated.report import parse_args, summarize, write_json
+from miles_fsm.apps.colocated.report import FLATTEN, REQUEST, SERIALIZE, parse_args, summarize, write_json
 from miles_fsm.apps.colocated.server import SGLangServer, free_port
 
 __all__ = ["device_copy_GBps", "main", "run_loop"]
@@ -160,9 +160,9 @@ def _wrap_push_phases(timer: Any) -> None:
     """Time the push's parts in this process: serializing, each request, the engine's and the trainer's hashes."""
     from miles_fsm.drivers.sglang import http, payload
 
-    timer.wrap(http, "serialize_named_tensors", "serialize (pickle + base64)")
-    timer.wrap(payload, "flattened_bucket", "flatten bucket (copy)")
-    for attr, name in (("update_from_tensor", "update_weights_from_tensor request"),
+    timer.wrap(http, "serialize_named_tensors", SERIALIZE)
+    timer.wrap(payload, "flattened_bucket", FLATTEN)
+    for attr, name in (("update_from_tensor", REQUEST),
                        ("checksums", "weights_checker (engine hashes)"), ("flush_cache", "flush_cache"),
                        ("pause_generation", "pause/continue generation"),
                        ("continue_generation", "pause/continue generation"), ("version", "read weight version")):
