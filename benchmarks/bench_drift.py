@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     lc.fire(Trigger(trig))
         per: dict[str, Any] = {}
         for trig in sorted({r[0] for r in rows}):
-            mine = [r for r in rows[1:] if r[0] == trig] or [r for r in rows if r[0] == trig]
+            mine = [r for r in rows if r[0] == trig]
             tx = statistics.median(r[1] for r in mine)
             snap = statistics.median(r[2] for r in mine)
             per[trig] = {"n": len(mine), "transition_median_s": tx, "snapshot_median_s": snap,
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--strategies", nargs="+", default=["rematerialize", "backup"])
+    p.add_argument("--strategies", nargs="+", choices=("rematerialize", "backup"), default=["rematerialize", "backup"])
     args = p.parse_args(argv)
     result = run(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -115,4 +115,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from miles_fsm.drivers.tms import exit_past_shutdown
+
+    exit_past_shutdown(main())  # --device cuda makes torch_memory_saver region tensors

@@ -24,15 +24,9 @@ server's log beside it; exit 0 when every check passed, 1 when one failed,
 
 from __future__ import annotations
 
-import os
-import sys
 
 if __name__ == "__main__":
     from miles_fsm.apps.colocated.run import main
+    from miles_fsm.drivers.tms import exit_past_shutdown
 
-    code = main()
-    # torch_memory_saver's torch hook exits 1 when the interpreter frees region tensors at
-    # shutdown (see benchmarks/gpu_megatron.py); the JSON is written and the server stopped.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_past_shutdown(main())  # the JSON is written and the server stopped by then

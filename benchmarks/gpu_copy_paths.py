@@ -374,9 +374,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # torch_memory_saver in torch hook mode exits 1 at shutdown when region
-    # tensors outlive the region context; the JSON is written by then.
-    import os
+    from miles_fsm.drivers.tms import exit_past_shutdown
 
-    rc = main()
-    os._exit(rc)
+    exit_past_shutdown(main())  # the JSON is written by then

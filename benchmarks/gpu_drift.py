@@ -174,4 +174,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from miles_fsm.drivers.tms import exit_past_shutdown
+
+    exit_past_shutdown(main())  # region tensors were made: the JSON is written by then

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import socket
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -291,9 +290,6 @@ def _version(dist_name: str) -> str | None:
 
 
 if __name__ == "__main__":
-    code = main()
-    # torch_memory_saver's torch hook exits 1 when the interpreter frees region tensors
-    # at shutdown ("only support interesting region", gpu-facts); the JSON is written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from miles_fsm.drivers.tms import exit_past_shutdown
+
+    exit_past_shutdown(main())  # the JSON is written by then

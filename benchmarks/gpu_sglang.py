@@ -836,11 +836,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # torch_memory_saver's torch hook (lifecycle_gpu_trainer_tms) exits 1 when the
-    # interpreter frees region tensors at shutdown, after every check passed (seen on
-    # the H200: "only support interesting region"); the JSON is written and the
+    from miles_fsm.drivers.tms import exit_past_shutdown
+
+    # lifecycle_gpu_trainer_tms made region tensors; the JSON is written and the
     # servers are stopped by then, so the checks' verdict is the exit code.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_past_shutdown(main())

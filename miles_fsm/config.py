@@ -139,7 +139,7 @@ class DriftConfig:
         if not isinstance(self.abs_bytes, int) or isinstance(self.abs_bytes, bool) or self.abs_bytes < 0:
             problems.append(f"abs_bytes must be an int >= 0, got {self.abs_bytes!r}")
         if not isinstance(self.rel, (int, float)) or isinstance(self.rel, bool) or not 0 <= self.rel < 100:
-            problems.append(f"rel must be a number >= 0 (a part of the baseline, 0.05 = 5%), got {self.rel!r}")
+            problems.append(f"rel must be a number in [0, 100) (a part of the baseline, 0.05 = 5%), got {self.rel!r}")
         if self.policy not in ("warn", "raise", "off"):
             problems.append(f"policy must be 'warn', 'raise' or 'off', got {self.policy!r}")
         if problems:

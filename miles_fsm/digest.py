@@ -151,20 +151,20 @@ def digest_tensors(
 
 
 class PendingDigests:
-    """Digests whose device part may still be running (``start_digests``); ``result()`` waits, once."""
+    """Digests whose device part may still be running (``start_digests``); ``wait()`` lands it, once."""
 
     def __init__(self, scheme: str, names: list[str], sizes: dict[str, int], leaves: dict[str, list[bytes | None]],
                  on_device: list[tuple[list[str], digest_device.PendingChunks]]) -> None:  # fmt: skip
-        self._scheme, self._names, self._sizes, self._leaves = scheme, names, sizes, leaves
-        self._on_device = on_device
+        self._scheme, self._names, self._sizes, self._leaves, self._on_device = scheme, names, sizes, leaves, on_device
         self._out: dict[str, str] | None = None
 
     @property
     def ready(self) -> bool:
-        """Whether ``result()`` would return without waiting for a device."""
+        """Whether ``wait()`` would return without waiting for a device."""
         return not self._on_device or all(p.ready for _, p in self._on_device)
 
-    def _landed(self) -> dict[str, list[bytes | None]]:
+    def wait(self) -> dict[str, list[bytes | None]]:
+        """Per name, its chunk digests, the device's waited for and landed (which frees the kernel's copies)."""
         for dev_names, pending in self._on_device:
             for name, joined in zip(dev_names, pending.result(), strict=True):
                 self._leaves[name] = [joined]
@@ -173,11 +173,11 @@ class PendingDigests:
 
     def chunks(self) -> dict[str, bytes]:
         """Per name, its chunk digests joined (no root hashed): for equal sizes, equal exactly when the digests are."""
-        return {name: b"".join(cast("list[bytes]", parts)) for name, parts in self._landed().items()}
+        return {name: b"".join(cast("list[bytes]", parts)) for name, parts in self.wait().items()}
 
     def result(self) -> dict[str, str]:
         if self._out is None:
-            self._out = _roots(self._scheme, self._names, self._sizes, self._landed())
+            self._out = _roots(self._scheme, self._names, self._sizes, self.wait())
         return self._out
 
 
@@ -190,7 +190,7 @@ def start_digests(
 ) -> PendingDigests:
     """``digest_tensors``, but CUDA tensors hashed on their device are only queued: the call returns
     while the kernel runs on a side stream, so the caller's own device work (an offload's
-    copies) overlaps it. The tensors must stay resident and unchanged until ``result()``.
+    copies) overlaps it. The tensors must stay resident and unchanged until ``wait()``.
     Host hashing (host tensors, or CUDA tensors without a device digest) is done before returning.
     """
     chunk = _chunk_of(scheme)

@@ -38,6 +38,9 @@ __all__ = [
     "load_file",
     "parse",
     "position",
+    "rank_dump",
+    "read_dir",
+    "read_file",
 ]
 
 #: The variable that turns the recorder on; read by torch when the first process group is made.
@@ -208,6 +211,12 @@ def _named_groups(raw: dict[str, Any]) -> dict[str, Any]:
 
 def load_file(path: Path | str) -> RankDump:
     """One dump written by ``dump`` (or a bare ``_dump_fr_trace_json``, with the rank from its name)."""
+    rank, raw = read_file(path)
+    return rank_dump(rank, raw, path)
+
+
+def read_file(path: Path | str) -> tuple[int, Any]:
+    """The rank of one JSON dump and torch's dump in it (its ``fr``, or the bare document), entries unread."""
     p = Path(path)
     try:
         doc = json.loads(p.read_text())
@@ -215,29 +224,44 @@ def load_file(path: Path | str) -> RankDump:
         raise FlightRecorderError(path=str(p), reason=f"{type(exc).__name__}: {exc}") from None
     if not isinstance(doc, dict):
         raise FlightRecorderError(path=str(p), reason="not a JSON object")
-    fr = doc.get("fr", doc)
-    raw = fr.get("entries") if isinstance(fr, dict) else None
-    if not isinstance(raw, list):
-        raise FlightRecorderError(path=str(p), reason="no 'entries' list")
     rank = doc.get("rank")
     if rank is None:
         digits = p.stem.rsplit("-", 1)[-1]
         if not digits.isdigit():
             raise FlightRecorderError(path=str(p), reason="no rank in the file or its name (fr-rank-<r>.json)")
         rank = int(digits)
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise FlightRecorderError(path=str(p), reason=f"its 'rank' is {rank!r:.40}, not a whole number")
+    return rank, doc.get("fr", doc)
+
+
+def rank_dump(rank: int, raw: Any, path: Path | str) -> RankDump:
+    """torch's dump of one rank (``_dump_fr_trace``'s dict, pickled or JSON) as a ``RankDump``."""
+    entries = raw.get("entries") if isinstance(raw, dict) else None
+    if not isinstance(entries, list):
+        raise FlightRecorderError(path=str(path), reason="no 'entries' list")
     try:
-        parsed = tuple(parse(e) for e in raw)
+        parsed = tuple(parse(e) for e in entries)
     except (TypeError, ValueError, AttributeError) as exc:
-        raise FlightRecorderError(path=str(p), reason=f"a malformed entry ({exc})") from None
-    return RankDump(rank=int(rank), entries=parsed, path=str(p))
+        raise FlightRecorderError(path=str(path), reason=f"a malformed entry ({exc})") from None
+    return RankDump(rank=rank, entries=parsed, path=str(path))
+
+
+def read_dir(directory: Path | str) -> dict[int, tuple[Any, Path]]:
+    """torch's dump in every ``fr-rank-<r>.json`` under ``directory`` (searched recursively) and its file, by rank."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise FlightRecorderError(path=str(d), reason="not a directory")
+    found = {}
+    for path in sorted(d.rglob(_DUMP_GLOB)):
+        rank, raw = read_file(path)
+        found[rank] = (raw, path)
+    return found
 
 
 def load_dir(directory: Path | str) -> dict[int, RankDump]:
     """Every ``fr-rank-<r>.json`` under ``directory`` (searched recursively), by rank."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise FlightRecorderError(path=str(d), reason="not a directory")
-    return {dump.rank: dump for dump in map(load_file, sorted(d.rglob(_DUMP_GLOB)))}
+    return {rank: rank_dump(rank, raw, path) for rank, (raw, path) in read_dir(directory).items()}
 
 
 def dump_meta(path: Path | str) -> dict[str, Any]:

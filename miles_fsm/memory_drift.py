@@ -12,7 +12,7 @@ tolerance above its baseline is drift, reported once per kind and tag.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from miles_fsm.config import DriftConfig
 
@@ -51,7 +51,6 @@ class _Series:
     sy: int = 0
     sxx: int = 0
     sxy: int = 0
-    values: dict[int, int] = field(default_factory=dict)
 
     def add(self, cycle: int, value: int) -> None:
         if cycle == self.last_cycle and self.n:  # a state seen twice in one cycle (a recovery): the later counts

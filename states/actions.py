@@ -135,10 +135,15 @@ class Actions:
         self._recorded = (epoch, TensorSet.of(tensors.items()), pending)
 
     def _join(self) -> None:
-        """Wait for the recorded digests (a no-op once they are in): what they read may change next."""
-        if self._recorded is not None and not self._recorded[2].ready:
-            t0 = perf_counter()
-            self._recorded[2].result()
+        """Land the recorded digests, waiting only if the device is still at them: what they read may change
+        next. Landing drops the kernel's copies of unaligned inputs too, which would otherwise stay through
+        PAUSED; no root is hashed here, ``verify`` compares the chunk digests."""
+        if self._recorded is None:
+            return
+        pending = self._recorded[2]
+        waits, t0 = not pending.ready, perf_counter()
+        pending.wait()
+        if waits:
             self._waited_s += perf_counter() - t0
 
     def _pause_trainer(self, tag: str) -> None:

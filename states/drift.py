@@ -72,16 +72,17 @@ class DriftMonitor:
         self.rank = rank
         self.tracker = DriftTracker(config)
         self._trainer = trainer
+        # Once: a runtime Protocol check walks the protocol's members, and snapshot() runs every transition.
+        self._tagged = trainer if isinstance(trainer, TaggedMemory) else None
         self._engine = engine if isinstance(engine, TaggedMemory) else None
         self._tracer = tracer
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, int], int | None]:
         """(device bytes per tag, host bytes per tag, RSS) now."""
-        t = self._trainer
-        if isinstance(t, TaggedMemory):
-            device, host = dict(t.device_bytes_by_tag()), dict(t.host_bytes_by_tag())
+        if self._tagged is not None:
+            device, host = dict(self._tagged.device_bytes_by_tag()), dict(self._tagged.host_bytes_by_tag())
         else:
-            total = t.memory_in_use()
+            total = self._trainer.memory_in_use()
             device, host = ({} if total is None else {"total": total}), {}
         if self._engine is not None:
             device.update({f"engine:{k}": v for k, v in self._engine.device_bytes_by_tag().items()})
@@ -101,8 +102,8 @@ class DriftMonitor:
         found = self.tracker.add(epoch, state, figures_of(device, host, rss))
         if not found or self.config.policy == "off":
             return found
-        for f in found:
-            self._tracer.emit(MEMORY_DRIFT, epoch=epoch, state=state, trigger=result.trigger.value, kind=f.kind,
+        for f in found:  # no trigger either: it is a finding about the state reached, like the snapshot
+            self._tracer.emit(MEMORY_DRIFT, epoch=epoch, state=state, trigger=None, kind=f.kind,
                               tag=f.tag, at=f.state, first_cycle=f.first_cycle, bytes_per_cycle=f.bytes_per_cycle,
                               slope=f.slope, grown=f.grown, policy=self.config.policy)  # fmt: skip
         errors = [self.error(f) for f in found]

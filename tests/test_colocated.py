@@ -161,3 +161,30 @@ def test_the_push_phases_are_made_disjoint_before_their_shares_are_taken():
     run = speed_summary(result)["runs"][0]
     assert sum(run["push_phase_shares"].values()) <= 1.0
     assert run["bottleneck"] == "flatten bucket (copy)"
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--ranks", "4"], "--ranks run(s) with --stack cpu only"),
+        (["--inject", "crash:0:1", "--no-audit"], "--inject, --no-audit run(s) with --stack cpu only"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+    ],
+)
+def test_demo_megatron_sglang_refuses_what_does_not_apply_before_anything_starts(capsys, tmp_path, extra, says):
+    """The colocated loop has one GPU rank, the megatron trainer and a real engine: the CPU stack's options
+    are refused rather than ignored, and --steps 0 is refused rather than run as the default 3 cycles; on
+    any host, before the host's requirements are looked at or anything is written."""
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--stack", "megatron-sglang", "--trace-dir", str(tmp_path / "t"), *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "t").exists()
+
+
+def test_the_loops_cycles_default_only_when_not_given():
+    """``--cycles 0`` is a config problem, not the default."""
+    cfg, problems = parse_args(["--out", "x.json", "--cycles", "0"])
+    assert cfg.cycles == 0 and "cycles must be >= 1, got 0" in problems
+    assert parse_args(["--out", "x.json"])[0].cycles == 3 and parse_args(["--out", "x", "--smoke"])[0].cycles == 1

@@ -105,6 +105,10 @@ def test_warn_warns_and_traces(tmp_path):
     records = [json.loads(line) for line in next(tmp_path.glob("rank-*.jsonl")).read_text().splitlines()]
     drifts = [r for r in records if r["event"] == MEMORY_DRIFT]
     assert drifts[0]["tag"] == "stash" and drifts[0]["kind"] == "host" and drifts[0]["first_cycle"] == 4
+    # Of the state reached, not of the transition: its trigger's records still end with transition_finished.
+    assert drifts[0]["trigger"] is None
+    at = records.index(drifts[0])
+    assert records[at - 1]["event"] == MEMORY_SNAPSHOT and records[at - 2]["event"] == "transition_finished"
     # Replay finds it from the snapshots alone, beside a verdict that stays ok, and exits 3.
     d = replay(str(tmp_path))
     assert d.verdict == "ok" and d.exit_code == 3

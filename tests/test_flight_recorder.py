@@ -85,6 +85,9 @@ def test_corrupt_or_missing_dumps_are_one_clear_error(tmp_path):
     (tmp_path / "bare.json").write_text('{"entries": []}')
     with pytest.raises(fr.FlightRecorderError, match="no rank"):
         fr.load_file(tmp_path / "bare.json")
+    (tmp_path / "bare.json").write_text('{"rank": "x", "entries": []}')
+    with pytest.raises(fr.FlightRecorderError, match="its 'rank' is 'x', not a whole number"):
+        fr.load_file(tmp_path / "bare.json")
     with pytest.raises(fr.FlightRecorderError, match="not a directory"):
         fr.load_dir(tmp_path / "nowhere")
 

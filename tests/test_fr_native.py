@@ -29,6 +29,8 @@ import pytest
 from miles_fsm import flight_recorder as fr
 from miles_fsm.apps.cli import main
 from miles_fsm.launch.local import RankContext, run_ranks
+from miles_fsm.replay.fr_groups import analyse
+from miles_fsm.replay.fr_native import load_native_dir
 
 PREFIX = "nccl_trace_rank_"
 #: group -> (kind torch reports, its sequence id, the rank(s) replay blames: None when it cannot tell)
@@ -161,8 +163,11 @@ def _replay(capsys, *argv: str) -> tuple[int, dict, str]:
 
 @pytest.fixture(scope="session")
 def compared(dumps):
-    """torchfrtrace on the lifecycle's normalised copy, and replay on the raw dumps, of the hung run."""
-    return _torch_verdicts(_torchfrtrace(dumps / "hung-lifecycle")), dumps
+    """torchfrtrace on the lifecycle's normalised copy, and replay on the raw dumps, of the hung run (the CLI's
+    output and its own analysis, whose per-group culprit the JSON leaves out)."""
+    hung = dumps / "hung"
+    ours = {g.desc: g for g in analyse(load_native_dir(hung).dumps, str(hung)).groups}
+    return _torch_verdicts(_torchfrtrace(dumps / "hung-lifecycle")), dumps, ours
 
 
 @pytest.mark.slow
@@ -171,7 +176,7 @@ def test_replay_agrees_with_torchfrtrace(group, compared, capsys):
     """Per scenario group: the same mismatch kind, sequence id and missing ranks as torchfrtrace, torch's
     culprits are exactly the ranks outside the part holding its reference collective, and replay blames the
     smaller side of that split (the scenario's culprit)."""
-    torch_says, d = compared
+    torch_says, d, ours = compared
     code, doc, _ = _replay(capsys, "--flight-recorder", str(d / "hung"))
     assert code == 3 and doc["verdict"] == "stuck"
     replay = next(g for g in doc["flight_recorder"]["groups"] if g["desc"] == group)
@@ -193,6 +198,9 @@ def test_replay_agrees_with_torchfrtrace(group, compared, capsys):
     rest = members - odd
     expect = sorted(odd if len(odd) < len(rest) else rest) if len(odd) != len(rest) else None
     assert expect == (list(blamed) if blamed else None)
+    ranks, decided = ours[group].blamed  # replay's own culprit: torch's smaller side, undecided when as large
+    assert (list(ranks) if decided else None) == expect, (ours[group], t)
+    assert decided or set(ranks) == members, ours[group]
     assert set(replay["culprits"]) | set(replay["missing"]) in (odd, rest)  # replay's torch run, its own reference
 
 
@@ -314,3 +322,107 @@ def test_dumps_alone_need_a_folder_with_dumps(tmp_path, capsys):
         main(["replay", "--flight-recorder", str(tmp_path), "--rank", "1"])
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.count("\n") == 1 and "--rank select(s) traces" in err, err
+
+
+def _pg(ranks: str, desc: str = "default_pg", name: str = "0") -> dict:
+    return {name: {"name": name, "desc": desc, "ranks": ranks}}
+
+
+def _doc(*entries: dict, pg_config: dict | None = None) -> dict:
+    return {"version": "2.10", "pg_config": _pg("[0]") if pg_config is None else pg_config,
+            "entries": list(entries) or [_ENTRY]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        (_doc(pg_config=_pg("[0, oops")), "pg_config['0'] ranks is '[0, oops'"),
+        (_doc(pg_config=_pg("5")), "pg_config['0'] ranks is '5'"),
+        (_doc(pg_config={"0": {"name": "0", "ranks": "[0]"}}), "pg_config['0'] lacks desc"),
+        (_doc({**_ENTRY, "input_sizes": 5}), "entry 0's input_sizes is 5"),
+        (_doc({**_ENTRY, "output_sizes": [4]}), "entry 0's output_sizes is [4]"),
+        (_doc(_ENTRY, {**_ENTRY, "collective_seq_id": "a"}), "entry 1's collective_seq_id is 'a'"),
+        (_doc({**_ENTRY, "input_dtypes": "Float"}), "entry 0's input_dtypes is 'Float'"),
+    ],
+    ids=["ranks-syntax", "ranks-not-a-list", "no-desc", "sizes-int", "sizes-flat", "seq-text", "dtypes-text"],
+)
+def test_a_malformed_field_is_one_line_naming_it(doc, says, tmp_path, capsys):
+    """A dump whose group ranks or entry fields are of the wrong type: exit 2, one line naming file and field
+    (not a traceback from torch's analyzer or from reading the entries)."""
+    err = _one_line_error(capsys, _write(tmp_path / "d", pickle.dumps(doc)))
+    assert f"{PREFIX}0" in err and says in err, err
+
+
+def test_group_ranks_that_torch_would_eval_are_refused_unrun(tmp_path, capsys):
+    """torch's analyzer ``eval``s a group's ranks when they read as a string: a dump's ranks are checked to be a
+    list of ranks before torch sees them, so such a dump is refused (exit 2, one line) and nothing in it runs."""
+    marker = tmp_path / "ran"
+    ranks = repr(f"__import__('os').system('touch {marker}')")
+    err = _one_line_error(capsys, _write(tmp_path / "d", pickle.dumps(_doc(pg_config=_pg(ranks)))))
+    assert "pg_config['0'] ranks is" in err and not marker.exists(), err
+
+
+def _dumps(folder: Path, docs: dict[int, dict]) -> Path:
+    folder.mkdir(exist_ok=True)
+    for rank, doc in docs.items():
+        (folder / f"{PREFIX}{rank}").write_bytes(pickle.dumps(doc))
+    return folder
+
+
+def test_a_missing_dump_with_every_collective_matched_is_incomplete(tmp_path, capsys):
+    """Ranks 0, 1 and 3 dumped, rank 2 not, every collective of the others matched: torch cannot decide the
+    group (UNDECIDED_MISSING_DUMPS), which is no rank's fault. Verdict incomplete (exit 3, as docs/replay.md
+    says), naming the missing rank, and no culprit; likewise for a missing highest rank its peers name."""
+    world = _pg("[0, 1, 2, 3]")
+    folder = _dumps(tmp_path / "gap", {r: _doc(pg_config=world) for r in (0, 1, 3)})
+    code, doc, _ = _replay(capsys, "--flight-recorder", str(folder))
+    assert (code, doc["verdict"], doc["culprit"], doc["missing_ranks"]) == (3, "incomplete", None, [2]), doc
+    assert doc["headline"].startswith("no dump from rank 2;") and not doc["flight_recorder"]["mismatch"], doc
+    assert doc["flight_recorder"]["groups"][0]["kind"] == "UNDECIDED_MISSING_DUMPS"
+    assert main(["replay", "--flight-recorder", str(folder)]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith("INCOMPLETE: no dump from rank 2;") and "culprit" not in out, out
+    last = _dumps(tmp_path / "last", {r: _doc(pg_config=world) for r in (0, 1, 2)})
+    code, doc, _ = _replay(capsys, "--flight-recorder", str(last))
+    assert (code, doc["verdict"], doc["culprit"], doc["missing_ranks"]) == (3, "incomplete", None, [3]), doc
+
+
+def test_a_group_out_of_step_leads_over_a_missing_dump(tmp_path, capsys):
+    """Rank 2's dump missing (the default group undecided) while group side (0, 1, 3) is out of step with rank 3
+    joining with other sizes: stuck, and the culprit is side's, not the undecided group's."""
+    side = _pg("[0, 1, 3]", "side", "1")
+    docs = {r: _doc(_ENTRY, {**_ENTRY, "record_id": 1, "process_group": ("1", "side"),
+                             "input_sizes": [[8 if r == 3 else 4]], "output_sizes": [[8 if r == 3 else 4]]},
+                    pg_config={**_pg("[0, 1, 2, 3]"), **side}) for r in (0, 1, 3)}  # fmt: skip
+    code, doc, _ = _replay(capsys, "--flight-recorder", str(_dumps(tmp_path / "d", docs)))
+    assert (code, doc["verdict"], doc["missing_ranks"]) == (3, "stuck", [2]), doc
+    assert doc["culprit"]["ranks"] == [3] and doc["culprit"]["group"] == "side (pg 1)", doc["culprit"]
+    assert doc["headline"].startswith("2 ranks (0-1) in all_reduce #1 [4], 1 rank (3) in all_reduce #1 [8]"), doc
+
+
+def test_bare_json_dumps_are_read_without_traces(tmp_path, capsys):
+    """A bare fr-rank-<r>.json (torch's JSON dump itself, no ``fr`` wrapper; ``flight_recorder.load_file``
+    reads it) is read in dumps-only mode too, the rank from its name."""
+    for rank in (0, 1):
+        (tmp_path / f"fr-rank-{rank}.json").write_text(json.dumps(_doc(pg_config=_pg("[0, 1]"))))
+    code, doc, _ = _replay(capsys, "--flight-recorder", str(tmp_path))
+    assert (code, doc["verdict"], doc["flight_recorder"]["prefix"]) == (0, "ok", "fr-rank-"), doc
+    assert [g["members"] for g in doc["flight_recorder"]["groups"]] == [[0, 1]]
+
+
+def test_a_lifecycle_json_dump_with_a_malformed_field_is_one_line(tmp_path, capsys):
+    """The lifecycle's JSON dumps are checked as torch's pickles are: a bad field is one line naming it."""
+    bad = _doc({**_ENTRY, "record_id": "x"})
+    (tmp_path / "fr-rank-0.json").write_text(json.dumps({"rank": 0, "meta": {}, "fr": bad}))
+    err = _one_line_error(capsys, tmp_path)
+    assert "fr-rank-0.json" in err and "entry 0's record_id is 'x'" in err, err
+
+
+def test_torch_format_dumps_beside_traces_are_not_read_for_meta(tmp_path, monkeypatch):
+    """torch's own dumps carry no ``meta``: placing them in traces does not read each pickle again as JSON."""
+    from miles_fsm.replay.fr_align import explain
+
+    read: list[str] = []
+    monkeypatch.setattr(fr, "dump_meta", lambda path: read.append(str(path)) or {})
+    report = explain({}, _dumps(tmp_path / "d", {0: _doc()}))
+    assert report is not None and not read and report.groups is not None, (report, read)

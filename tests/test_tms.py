@@ -239,3 +239,19 @@ def test_gpu_host_copies_round_trip_into_remapped_memory(gpu_saver):
         assert torch.equal(t, want[name]), name
     gpu_saver.resume("test_copies_other")
     del other
+
+
+def test_exit_past_shutdown_keeps_the_runs_code_and_its_output(tmp_path):
+    """A run that passed exits 0 even though something at interpreter shutdown would exit 1 (as
+    torch_memory_saver's torch hook does once region tensors were made); what it printed is not lost."""
+    import subprocess
+
+    child = (
+        "import atexit, os, sys\n"
+        "from miles_fsm.drivers.tms import exit_past_shutdown\n"
+        "atexit.register(lambda: os._exit(1))\n"  # stands in for the hook's exit at shutdown
+        "sys.stdout.write('wrote the JSON')\n"  # unflushed: a pipe is block-buffered
+        "exit_past_shutdown(0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert (proc.returncode, proc.stdout) == (0, "wrote the JSON"), proc.stderr

@@ -30,14 +30,14 @@ class _Pending:
     def ready(self) -> bool:
         return self._out is not None
 
-    def result(self) -> dict[str, str]:
+    def wait(self) -> dict[str, str]:
         if self._out is None:
             self._log.append("joined")
             self._out = digest_tensors(self._tensors)
         return self._out
 
     def chunks(self) -> dict[str, str]:
-        return self.result()
+        return self.wait()
 
 
 class _Trainer:

@@ -20,8 +20,8 @@ from miles_fsm.drivers.errors import EngineRequestError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FUSED", "compare", "engine_checksums", "engine_layout", "input_logprobs", "layer_split", "verdict",
-           "wrong_caught"]  # fmt: skip
+__all__ = ["FUSED", "compare", "engine_checksums", "engine_layout", "input_logprobs", "layer_split", "mean_of",
+           "verdict", "wrong_caught"]  # fmt: skip
 
 #: SGLang's Llama fuses these: the engine's weight is the concatenation, in this order, along dim 0.
 FUSED = {
@@ -77,6 +77,11 @@ def _rows_problem(rows: Any, sent: Sequence[int]) -> str | None:
     if any(r[0] is None for r in rows[1:]):
         return "a logprob after the first is null"
     return None
+
+
+def mean_of(rows: list[list[float]]) -> float:
+    """The mean over every prompt's logprobs (0.0 for none)."""
+    return sum(map(sum, rows)) / max(1, sum(map(len, rows)))
 
 
 def compare(engine: Sequence[Sequence[float]], reference: Sequence[Sequence[float]]) -> dict[str, float]:

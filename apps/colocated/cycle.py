@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from miles_fsm.apps.colocated.checks import compare, input_logprobs, verdict, wrong_caught
+from miles_fsm.apps.colocated.checks import compare, input_logprobs, mean_of, verdict, wrong_caught
 from miles_fsm.apps.colocated.config import LoopConfig
 from miles_fsm.apps.colocated.server import SGLangServer
 from miles_fsm.apps.colocated.trainer import Gpt, PhaseTimer, megatron_logprobs, train_step, wrong_weights
@@ -41,11 +41,8 @@ class Context:
     free_with_server: int
     step: int = 0
     previous_engine_lp: list[list[float]] | None = None
-    #: megatron's logprobs of the probe batch after this cycle's train step.
-    reference: list[list[float]] = field(default_factory=list)
     #: The JSON's list of lifecycle runs, each appended when it starts.
     runs: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
 
 def _free() -> int:
@@ -88,13 +85,14 @@ def _memory(ctx: Context, free_training: int, free_paused: int) -> dict[str, Any
     }
 
 
-def _wrong_checks(ctx: Context, copies: dict[Mistake, Any], right: dict[str, float]) -> dict[str, Any]:
+def _wrong_checks(ctx: Context, copies: dict[Mistake, Any], reference: list[list[float]],
+                  right: dict[str, float]) -> dict[str, Any]:
     """Push each wrong conversion, read the engine's logprobs against megatron's, push the right weights back."""
     out = {}
     for mistake, parts in copies.items():
         ctx.probe_driver.update_weights([(n, t.to("cuda")) for n, t in parts["wrong"]],
                                         version=f"wrong-{mistake.value}-{ctx.step}")  # fmt: skip
-        stats = compare(engine_logprobs(ctx), ctx.reference)
+        stats = compare(engine_logprobs(ctx), reference)
         ctx.probe_driver.update_weights([(n, t.to("cuda")) for n, t in parts["right"]], version=f"right-{ctx.step}")
         out[mistake.value] = {**stats, "caught": wrong_caught(stats, right, ctx.cfg.tolerance),
                               "vs_right_mean": stats["mean_abs"] / max(right["mean_abs"], 1e-9)}  # fmt: skip
@@ -117,7 +115,7 @@ def _paused_checks(ctx: Context, reference: list[list[float]]) -> dict[str, Any]
         "generated_tokens": generated,
         "logprobs": {**stats, "ok": verdict(stats, tol), "tolerance": {"mean": tol.mean, "max": tol.max}},
         "changed_since_last_cycle": None if changed is None else {**changed, "ok": changed["mean_abs"] > tol.mean},
-        "engine_mean_logprob": sum(map(sum, lp)) / max(1, sum(map(len, lp))),
+        "engine_mean_logprob": mean_of(lp),
         "s": round(time.perf_counter() - t0, 4),
     }
 
@@ -132,7 +130,6 @@ def run_cycle(ctx: Context, lc: Any, trainer: Any, engine: Any, *, profile: bool
     marks["train_step"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     reference = megatron_logprobs(ctx.gpt, ctx.ids, cfg.shape.vocab)
-    ctx.reference = reference
     marks["megatron_logprobs"] = time.perf_counter() - t0
     free_training = _free()
     results = [lc.offload()]
@@ -154,7 +151,7 @@ def run_cycle(ctx: Context, lc: Any, trainer: Any, engine: Any, *, profile: bool
     memory = _memory(ctx, free_training, free_paused)
     checks = _paused_checks(ctx, reference)
     t0 = time.perf_counter()
-    checks["wrong_conversions"] = _wrong_checks(ctx, copies, checks["logprobs"])
+    checks["wrong_conversions"] = _wrong_checks(ctx, copies, reference, checks["logprobs"])
     marks["wrong_checks"] = time.perf_counter() - t0
     del copies
     results += [lc.rematerialize(), lc.sync(), lc.resume()]

@@ -76,8 +76,10 @@ def _lifecycle(ctx: Any, strategy: Any, load_format: str | None, host: Any, trac
                            "state": "INITIAL"}  # fmt: skip
     ctx.runs.append(out)  # in the JSON from now on: a run cut short keeps the cycles it finished
     error: BaseException | None = None
-    with warnings.catch_warnings(record=True) as caught:
+    drift: list[str] = []
+    with warnings.catch_warnings():
         warnings.simplefilter("always", MemoryDriftWarning)
+        warnings.showwarning = _keep_drift(drift, warnings.showwarning)
         try:
             out["start"] = transition_rows([lc.start()])
             for c in range(cfg.cycles):
@@ -88,7 +90,7 @@ def _lifecycle(ctx: Any, strategy: Any, load_format: str | None, host: Any, trac
             error = exc
             raise
         finally:
-            out["drift_warnings"] = [str(w.message) for w in caught if issubclass(w.category, MemoryDriftWarning)]
+            out["drift_warnings"] = drift
             out["engine_memory"] = [dict(r) for r in engine.memory_log]
             out["state"] = lc.state.value
             lc.close(error=error)
@@ -96,6 +98,19 @@ def _lifecycle(ctx: Any, strategy: Any, load_format: str | None, host: Any, trac
                 engine.resume_all()  # the next lifecycle's start releases them again
             engine.close()
     return out
+
+
+def _keep_drift(drift: list[str], show: Any) -> Any:
+    """A ``warnings.showwarning`` that keeps drift warnings for the JSON and shows every other one as before."""
+    from miles_fsm.states.drift import MemoryDriftWarning
+
+    def keep(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, MemoryDriftWarning):
+            drift.append(str(message))
+        else:
+            show(message, category, *args, **kwargs)
+
+    return keep
 
 
 def _say(label: str, c: int, row: dict[str, Any]) -> None:
@@ -106,12 +121,13 @@ def _say(label: str, c: int, row: dict[str, Any]) -> None:
           f"wrong conversions mean|d|: {wrong}", flush=True)  # fmt: skip
 
 
-def _setup(cfg: LoopConfig, server: SGLangServer, result: dict[str, Any]) -> Any:
+def _setup(cfg: LoopConfig, server: SGLangServer, timer: Any, result: dict[str, Any]) -> Any:
     """Limits, then the server (up to its memory pool), then the GPT, then the server's warmup."""
     import torch
 
+    from miles_fsm.apps.colocated.checks import mean_of
     from miles_fsm.apps.colocated.cycle import Context, _free
-    from miles_fsm.apps.colocated.trainer import PhaseTimer, build_gpt, megatron_logprobs
+    from miles_fsm.apps.colocated.trainer import build_gpt, megatron_logprobs
     from miles_fsm.drivers.tms import TmsConfig, TmsMemorySaver
 
     result["limits"] = {"device_copy_GBps": device_copy_GBps()}
@@ -134,20 +150,14 @@ def _setup(cfg: LoopConfig, server: SGLangServer, result: dict[str, Any]) -> Any
     result["server"]["up_s"] = dict(server.timings)
     result["memory"] = {"free_before_server": free_base, "free_with_server": free_with_server,
                         "engine_bytes": free_base - free_with_server}  # fmt: skip
-    timer = PhaseTimer()
     _wrap_push_phases(timer)
     ctx = Context(cfg=cfg, server=server, gpt=gpt, saver=saver, ids=ids, timer=timer,
-                  probe_driver=_probe_driver(cfg, server, timer), free_with_server=free_with_server)  # fmt: skip
-    ctx.previous_engine_lp = None
-    result["megatron_logprobs_before_training_mean"] = _mean(megatron_logprobs(gpt, ids, cfg.shape.vocab))
+                  probe_driver=_probe_driver(cfg, server), free_with_server=free_with_server)  # fmt: skip
+    result["megatron_logprobs_before_training_mean"] = mean_of(megatron_logprobs(gpt, ids, cfg.shape.vocab))
     return ctx
 
 
-def _mean(rows: list[list[float]]) -> float:
-    return sum(map(sum, rows)) / max(1, sum(map(len, rows)))
-
-
-def _probe_driver(cfg: LoopConfig, server: SGLangServer, timer: Any) -> Any:
+def _probe_driver(cfg: LoopConfig, server: SGLangServer) -> Any:
     """A driver for the wrong-conversion pushes only (it never releases memory; the lifecycle's driver does)."""
     from miles_fsm.apps.colocated.checks import engine_checksums
     from miles_fsm.drivers.sglang.driver import HttpConfig, SGLangConfig, SGLangEngineDriver
@@ -174,9 +184,13 @@ def run_loop(cfg: LoopConfig, result: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
+    from miles_fsm.apps.colocated.trainer import PhaseTimer
     from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
 
     workdir = Path(tempfile.mkdtemp(prefix="miles-fsm-colocated-"))
+    # Each lifecycle's rank traces, for `miles-fsm replay`; the server's model config lies beside them.
+    result["traces"] = str(workdir / "traces")
+    timer = PhaseTimer()
     log_dir = cfg.log_dir or cfg.out.parent
     server = SGLangServer(config=cfg.server_config, workdir=workdir, log_path=log_dir / f"{cfg.out.stem}_server.log",
                           mem_fraction=cfg.mem_fraction_static)  # fmt: skip
@@ -184,7 +198,7 @@ def run_loop(cfg: LoopConfig, result: dict[str, Any]) -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        ctx = _setup(cfg, server, result)
+        ctx = _setup(cfg, server, timer, result)
         ctx.runs = result["runs"]
         host = HostCopies(config=PinnedConfig())
         first = True
@@ -201,6 +215,7 @@ def run_loop(cfg: LoopConfig, result: dict[str, Any]) -> None:
                            "traceback": traceback.format_exc()[-6000:], "server_log_tail": server.log_tail(40)}  # fmt: skip
         print(f"FAILED: {type(exc).__name__}: {exc}\n--- server log tail ---\n{server.log_tail(40)}", flush=True)
     finally:
+        timer.unwrap()  # the push's timers patch the driver's modules for this process
         server.stop()
         result["server"]["stopped"] = not server.alive()
         dist.destroy_process_group()

@@ -140,9 +140,3 @@ class SGLangServer:
             raise EngineRequestError(engine=self.url, op=path, status=r.status_code,
                                      message=f"{r.text[:500]}\n{self.log_tail(15)}")  # fmt: skip
         return r.json()
-
-    def get(self, path: str, *, timeout_s: float = 30) -> Any:
-        import httpx
-
-        r = httpx.get(f"{self.url}{path}", timeout=timeout_s)
-        return r.json() if r.status_code == 200 else {"status": r.status_code, "body": r.text[:300]}

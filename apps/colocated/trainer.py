@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from miles_fsm.apps.colocated.checks import FUSED
 from miles_fsm.apps.colocated.config import LoopConfig
 from miles_fsm.drivers.megatron.convert import Mistake, iter_hf_weights
 from miles_fsm.drivers.megatron.driver import MegatronTrainer, coalesce_optimizer_state, ddp_buffers_in_tags
@@ -172,10 +173,7 @@ class PushTrainer(MegatronTrainer):
 
 
 #: The weights each deliberate mistake changes, and the ones its fused engine weight also needs.
-_TOUCHED = {
-    Mistake.QK_SWAPPED: ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    Mistake.GATE_UP_SWAPPED: ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
+_TOUCHED = {Mistake.QK_SWAPPED: FUSED["self_attn.qkv_proj.weight"], Mistake.GATE_UP_SWAPPED: FUSED["mlp.gate_up_proj.weight"]}
 
 
 def wrong_weights(gpt: Gpt, vocab: int, mistake: Mistake) -> dict[str, list[tuple[str, torch.Tensor]]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -133,25 +132,36 @@ def _run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+# The CPU stack's options, by dest: the colocated loop has one GPU rank, the megatron
+# trainer and a real engine, so none of them applies there.
+_CPU_STACK_ONLY = {"ranks": "--ranks", "trainer": "--trainer", "launcher": "--launcher", "layers": "--layers",
+                   "dim": "--dim", "inject": "--inject", "audit": "--no-audit", "guard_timeout": "--guard-timeout"}
+
+
 def _run_colocated(args: argparse.Namespace) -> NoReturn:
     """The colocated loop on this host's GPU (``miles_fsm.apps.colocated``); refused, exit 2, where it cannot run."""
     from miles_fsm.apps.colocated.config import missing_requirements
+    from miles_fsm.apps.demo.torchrun import under_torchrun
 
-    if args.inject:
-        _usage_error(args, "--inject runs with --stack cpu only (its faults are the reference trainer's)")
+    parser: argparse.ArgumentParser = args._parser
+    ignored = [flag for dest, flag in _CPU_STACK_ONLY.items() if getattr(args, dest) != parser.get_default(dest)]
+    if ignored:
+        _usage_error(args, f"{', '.join(ignored)} run(s) with --stack cpu only; --stack megatron-sglang takes "
+                           "--steps, --mode and --trace-dir")  # fmt: skip
+    if under_torchrun():
+        _usage_error(args, "--stack megatron-sglang runs as one process on one GPU, not under torchrun")
+    if args.steps < 1:
+        _usage_error(args, f"--steps must be >= 1, got {args.steps}")
     missing = missing_requirements()
     if missing:
         _usage_error(args, f"--stack megatron-sglang runs on a CUDA host with sglang, megatron-core and "
                            f"torch-memory-saver installed; this host lacks {', '.join(missing)}")  # fmt: skip
     from miles_fsm.apps.colocated.run import main as colocated
+    from miles_fsm.drivers.tms import exit_past_shutdown
 
     out = (args.trace_dir if args.trace_dir is not None else fresh_trace_dir(Path("miles-fsm-traces"))) / "colocated.json"
     code = colocated(["--out", str(out), "--strategy", args.mode, "--cycles", str(args.steps)])
-    # torch_memory_saver's torch hook exits 1 when the interpreter frees its region tensors at
-    # shutdown; the JSON is written and the server stopped, so leave now with the run's own code.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_past_shutdown(code)  # the JSON is written and the server stopped
 
 
 def _usage_error(args: argparse.Namespace, message: str) -> NoReturn:

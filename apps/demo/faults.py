@@ -36,7 +36,8 @@ __all__ = ["DIVERGE_PARAM", "LEAK_BYTES", "LEAK_TAG", "demo_trainer_cls", "hang_
 DIVERGE_PARAM = "pos.weight"
 #: Where a ``leak`` rank's buffers are accounted: a stale weight copy kept each step, never dropped.
 LEAK_TAG = "old_actor"
-#: What a ``leak`` rank keeps alive per step: twice the demo's drift tolerance (``rank.DEMO_DRIFT``).
+#: What a ``leak`` rank keeps alive per step: twice the demo's drift tolerance (``rank.py`` sets
+#: ``DriftConfig(abs_bytes=LEAK_BYTES // 2)``), so one step's leak is already past it.
 LEAK_BYTES = 16 << 20
 
 

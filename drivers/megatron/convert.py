@@ -289,7 +289,7 @@ def iter_hf_weights(model: Any, *, vocab: int | None = None, mistake: Mistake | 
     import torch.distributed as dist
 
     shape = LlamaShape.from_megatron(model, vocab=vocab)
-    rank, size, group = _tp()
+    _, size, group = _tp()
     params = _local_params(model, shape, size)
     for rule in _rules(shape):
         w = params[rule.megatron].detach()

@@ -21,7 +21,7 @@ import orjson
 from miles_fsm import flight_recorder as fr
 from miles_fsm.ranks import rank_ranges
 from miles_fsm.replay.fr_groups import FrGroups, analyse
-from miles_fsm.replay.fr_native import load_native_dir, to_rank_dump
+from miles_fsm.replay.fr_native import load_native_dir
 from miles_fsm.replay.shapes import CollectiveEntry, FlightRecorderReport
 
 __all__ = ["FrReport", "RankCollective", "align", "explain"]
@@ -128,11 +128,15 @@ def _place(records: list[dict[str, Any]], t_ns: int) -> tuple[str, int | None, l
 _REDUCE_SCATTER_AS = {"all_reduce", "reduce_scatter"}
 
 
-def align(traces: Mapping[int, Path], dumps: Mapping[int, fr.RankDump], *, run: str | None = None) -> FrReport:
-    """Each dumped rank's last collective outside the guard's group, placed in its trace."""
+def align(traces: Mapping[int, Path], dumps: Mapping[int, fr.RankDump], *, run: str | None = None,
+          native: bool = False) -> FrReport:
+    """Each dumped rank's last collective outside the guard's group, placed in its trace.
+
+    ``native``: the dumps are torch's own pickles, which carry no ``meta`` (run, guard's group) to read.
+    """
     placed, problems = [], []
     for rank, dump in sorted(dumps.items()):
-        meta = fr.dump_meta(dump.path)
+        meta = {} if native else fr.dump_meta(dump.path)
         if run is not None and meta.get("run") not in (None, run):
             problems.append(f"rank {rank}: {dump.path} is of run {meta['run']}, not {run}: left out")
             continue
@@ -182,5 +186,6 @@ def explain(traces: Mapping[int, Path], fr_dir: Path | str | None, *, run: str |
     if not native.dumps:
         raise fr.FlightRecorderError(path=str(fr_dir), reason=f"it holds no Flight Recorder dump (fr-rank-<r>.json "
                                      f"or {native.prefix}<rank>)")  # fmt: skip
-    report = align(traces, {r: to_rank_dump(r, d, native.paths[r]) for r, d in native.dumps.items()}, run=run)
+    dumps = {r: fr.rank_dump(r, d, native.paths[r]) for r, d in native.dumps.items()}
+    report = align(traces, dumps, run=run, native=True)
     return FrReport(report.ranks, report.missing, report.problems, analyse(native.dumps, str(fr_dir)))

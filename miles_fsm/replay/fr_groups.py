@@ -123,15 +123,25 @@ class GroupVerdict:
 
 @dataclass(frozen=True, slots=True)
 class FrGroups:
-    """Every group of the dumps, and the ranks that left none."""
+    """Every group of the dumps, and the ranks that dumped."""
 
     groups: tuple[GroupVerdict, ...]
     dumped: tuple[int, ...]
-    no_dump: tuple[int, ...]
 
     @property
     def problems(self) -> tuple[GroupVerdict, ...]:
+        """The groups torch left a collective of unmatched, undecided ones included."""
         return tuple(g for g in self.groups if g.kind is not None)
+
+    @property
+    def out_of_step(self) -> tuple[GroupVerdict, ...]:
+        """The groups torch found out of step: each names its ranks' split, which an undecided one cannot."""
+        return tuple(g for g in self.groups if g.kind not in (None, UNDECIDED))
+
+    @property
+    def undecided(self) -> tuple[GroupVerdict, ...]:
+        """The groups torch cannot judge, a member having left no dump, with no collective seen out of step."""
+        return tuple(g for g in self.groups if g.kind == UNDECIDED)
 
     @property
     def line(self) -> str:
@@ -160,8 +170,7 @@ def analyse(dumps: Mapping[int, Mapping[str, Any]], where: str) -> FrGroups:
             members.setdefault(str(name), set()).update(int(r) for r in ast.literal_eval(str(config["ranks"])))
     verdicts = [_verdict(name, members.get(name, set()), normalised, failed.get(name, []))
                 for name in sorted(_names(normalised), key=_name_order)]  # fmt: skip
-    return FrGroups(tuple(verdicts), tuple(sorted(dumps)), tuple(r for r in range(max(dumps, default=-1) + 1)
-                                                                  if r not in dumps))  # fmt: skip
+    return FrGroups(tuple(verdicts), tuple(sorted(dumps)))
 
 
 def _names(dumps: Mapping[int, Mapping[str, Any]]) -> set[str]:
@@ -190,7 +199,7 @@ def _torch_db(dumps: Mapping[int, Mapping[str, Any]], where: str) -> Any:
         from torch.distributed.flight_recorder.components.builder import build_db
 
         return build_db(details, args, version)
-    except (AssertionError, KeyError, ValueError, TypeError, IndexError) as exc:
+    except (AssertionError, KeyError, ValueError, TypeError, IndexError, SyntaxError) as exc:
         # torch's analyzer asserts on what it cannot align; the dumps, not replay, are what it objects to.
         raise fr.FlightRecorderError(path=where, reason=f"torch's Flight Recorder analyzer cannot align these dumps "
                                      f"({type(exc).__name__}: {exc})") from None  # fmt: skip

@@ -18,6 +18,7 @@ buffer) cannot be seen in gloo's dumps. Nothing here imports torch.
 
 from __future__ import annotations
 
+import ast
 import io
 import pickle
 import re
@@ -37,7 +38,6 @@ __all__ = [
     "load_dump",
     "load_native_dir",
     "normalise",
-    "to_rank_dump",
 ]
 
 #: torch's own default (``TORCH_FR_DUMP_TEMP_FILE`` is ``/tmp/nccl_trace_rank_``), on gloo as on NCCL.
@@ -100,12 +100,17 @@ def load_dump(path: Path | str) -> dict[str, Any]:
 
 
 def checked(doc: Any, path: str) -> dict[str, Any]:
-    """``doc`` if it is a dump: a dict with a version, a pg_config dict and entries torch's analyzer can read."""
+    """``doc`` if it is a dump: a dict with a version, a pg_config dict and entries torch's analyzer can read.
+
+    Every field replay or torch's analyzer reads is checked for its type here, so a malformed dump is one
+    error naming its file and field, not a traceback from deep inside either.
+    """
     if not isinstance(doc, dict) or not isinstance(doc.get("entries"), list):
-        raise fr.FlightRecorderError(path=path, reason="a pickle, but not a Flight Recorder dump (no 'entries' list)")
+        raise fr.FlightRecorderError(path=path, reason="not a Flight Recorder dump (no 'entries' list)")
     if not isinstance(doc.get("version"), str) or not isinstance(doc.get("pg_config"), dict):
-        raise fr.FlightRecorderError(path=path, reason="a pickle, but not a Flight Recorder dump (no 'version' "
-                                     "string or 'pg_config' dict)")  # fmt: skip
+        raise fr.FlightRecorderError(path=path, reason="not a Flight Recorder dump (no 'version' string or "
+                                     "'pg_config' dict)")  # fmt: skip
+    _check_groups(doc["pg_config"], path)
     for i, e in enumerate(doc["entries"]):
         lacks = [k for k in _ENTRY_KEYS if not isinstance(e, dict) or k not in e]
         pg = e.get("process_group") if isinstance(e, dict) else None
@@ -113,7 +118,61 @@ def checked(doc: Any, path: str) -> dict[str, Any]:
             what = f"lacks {', '.join(lacks)}" if lacks else "has a malformed process_group or profiling_name"
             raise fr.FlightRecorderError(path=path, reason=f"entry {i} {what}: not a Flight Recorder dump this "
                                          "torch writes")  # fmt: skip
+        for key, (ok, want) in _ENTRY_TYPES.items():
+            if key in e and not ok(e[key]):
+                raise fr.FlightRecorderError(path=path, reason=f"entry {i}'s {key} is {e[key]!r:.40}, not {want}: "
+                                             "not a Flight Recorder dump this torch writes")  # fmt: skip
     return doc
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_list(v: Any, each: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(each(x) for x in v)
+
+
+def _is_shapes(v: Any) -> bool:
+    return _is_list(v, lambda s: _is_list(s, _is_int))
+
+
+def _is_strings(v: Any) -> bool:
+    return _is_list(v, lambda x: isinstance(x, str))
+
+
+#: What each entry field must be (checked only when present: ``retired`` is newer than some dumps).
+_ENTRY_TYPES: dict[str, tuple[Any, str]] = {
+    **{k: (_is_int, "a whole number") for k in ("record_id", "collective_seq_id", "p2p_seq_id", "time_created_ns")},
+    **{k: (_is_shapes, "a list of shapes such as [[4]]") for k in ("input_sizes", "output_sizes")},
+    **{k: (_is_strings, "a list of dtype names") for k in ("input_dtypes", "output_dtypes")},
+    "state": (lambda v: isinstance(v, str), "a state name"),
+    "is_p2p": (lambda v: isinstance(v, bool), "true or false"),
+    "retired": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _check_groups(config: dict[Any, Any], path: str) -> None:
+    """Each group ``pg_config`` describes has a ``desc`` and ``ranks``, the text of a list of ranks.
+
+    torch's analyzer ``eval``s ``ranks`` when ``ast.literal_eval`` makes a string of it: anything but a list
+    of numbers must be refused before torch sees it, or a dump could run code.
+    """
+    for name, group in config.items():
+        if not name or not isinstance(group, dict) or group.get("ranks") == "[]":
+            continue  # gloo's placeholder or no group: ``normalise`` drops it, torch never reads it
+        lacks = [k for k in ("desc", "ranks") if k not in group]
+        if lacks:
+            raise fr.FlightRecorderError(path=path, reason=f"pg_config[{name!r}] lacks {', '.join(lacks)}: not a "
+                                         "Flight Recorder dump this torch writes")  # fmt: skip
+        ranks = group["ranks"]
+        try:
+            parsed = ast.literal_eval(ranks) if isinstance(ranks, str) else None
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            parsed = None  # refused just below, with the text that failed
+        if not _is_list(parsed, _is_int):
+            raise fr.FlightRecorderError(path=path, reason=f"pg_config[{name!r}] ranks is {ranks!r:.40}, not the "
+                                         "text of a list of ranks such as '[0, 1]'")  # fmt: skip
 
 
 def dump_files(directory: Path | str, prefix: str | None = None) -> tuple[str, dict[int, Path]]:
@@ -219,12 +278,3 @@ def normalise(dumps: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any
             config[name] = {"name": name, "desc": descs[name], "ranks": str(world if default else sorted(ranks))}
         out[rank] = {**d, "pg_config": config}
     return out
-
-
-def to_rank_dump(rank: int, dump: Mapping[str, Any], path: Path | str) -> fr.RankDump:
-    """A native dump as the engine's ``RankDump`` (what ``fr_align`` places in the lifecycle's steps)."""
-    try:
-        entries = tuple(fr.parse(e) for e in dump["entries"])
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise fr.FlightRecorderError(path=str(path), reason=f"a malformed entry ({exc})") from None
-    return fr.RankDump(rank=rank, entries=entries, path=str(path))
