@@ -127,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
     args = p.parse_args(argv)
+    # The leak run leaks from cycle 3, after DriftConfig's 2 warm-up cycles: it needs cycles past that to be seen.
+    if args.cycles < 5:
+        p.error(f"--cycles must be >= 5 (the leak starts at cycle 3, after 2 warm-up cycles), got {args.cycles}")
+    if args.leak_mib < 1:
+        p.error(f"--leak-mib must be >= 1, got {args.leak_mib}")
     import torch
     import torch.distributed as dist
 

@@ -42,7 +42,13 @@ class TaggedMemory(Protocol):
     """The optional members of a driver whose memory saver can say what each tag holds."""
 
     def device_bytes_by_tag(self) -> Mapping[str, int]:
-        """Device (on CPU: the saver's) bytes resident now, per tag. Cheap: the saver's own accounting."""
+        """Device (on CPU: the saver's) bytes per tag, measured the same way at every call. Cheap.
+
+        A trainer's saver reports what is resident now. An engine that cannot
+        ask its server reports what each tag's last resume took back
+        (``SGLangEngineDriver``), also while the tag is released: drift is a
+        figure of one state growing across cycles, so either measure serves.
+        """
         ...
 
     def host_bytes_by_tag(self) -> Mapping[str, int]:

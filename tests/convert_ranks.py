@@ -75,6 +75,18 @@ def _one_tp(tp: int) -> dict[str, Any]:
     return out
 
 
+def _refused_tp(tp: int) -> str:
+    """The error of building a ``tp``-way GPT over megatron's state of another size ("" when none)."""
+    from miles_fsm.drivers.megatron.llama import build_llama_gpt
+    from miles_fsm.errors import ConfigError
+
+    try:
+        build_llama_gpt(SHAPE, tp=tp)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
 def rank_convert(ctx: Any) -> dict[str, Any]:
     """At TP = 2, then TP = 1: a seeded GPT's HF weights and logits, and an HF state loaded and read back."""
     from megatron.core import parallel_state as ps
@@ -83,6 +95,7 @@ def rank_convert(ctx: Any) -> dict[str, Any]:
 
     enable()
     out = {"tp2": _one_tp(2)}
+    out["tp1_over_tp2_refused"] = _refused_tp(1)
     ps.destroy_model_parallel()
     out["tp1"] = _one_tp(1)
     out["trainer"] = _trained_bf16()

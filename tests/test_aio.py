@@ -456,3 +456,32 @@ async def test_agree_on_runs_in_the_ranks_queue_and_returns_the_guard_time():
         tg.start_soon(agree)
     assert order == ["offload", "agree:0"]  # world 1: nothing to agree with, so no wait
     assert alc.state is State.OFFLOADED
+
+
+async def test_a_move_that_a_drift_error_follows_is_still_published():
+    """Under ``DriftConfig(policy="raise")`` the drift check raises after its transition committed: the caller
+    gets ``MemoryDriftError``, and watchers still see the rank's move, since it happened."""
+    from test_drift import MiB, LeakyTrainer, _lifecycle
+
+    from miles_fsm.config import DriftConfig
+    from miles_fsm.states import Strategy
+    from miles_fsm.states.errors import MemoryDriftError
+
+    lc, trainer = _lifecycle(Strategy.BACKUP, DriftConfig(policy="raise", abs_bytes=3 * MiB, rel=0.0),
+                             trainer_cls=LeakyTrainer)  # fmt: skip
+    trainer.leak_from = 3
+    alc = AsyncLifecycle(lc)
+    with alc.changes() as changes:
+        await alc.start()
+        with pytest.raises(MemoryDriftError):
+            for _ in range(10):
+                trainer.epoch_seen = lc.epoch + 1
+                await alc.offload()
+                await alc.pause()
+                await alc.advance_to(State.TRAINING)
+        assert lc.state is not State.FAILED
+        with anyio.fail_after(5):
+            async for change in changes:
+                if (change.dest, change.epoch) == (lc.state, lc.epoch):
+                    break
+    assert change.source is not change.dest and change.result is None and not change.failed

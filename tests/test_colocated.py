@@ -40,6 +40,9 @@ def test_input_logprobs_reads_tokens_one_onward_and_refuses_other_shapes():
         "2 input logprobs for 3 input tokens": ([_answer([5, 6], [None, -1.0]), body[1]], ids),
         "not the ids sent": ([_answer([5, 6, 99], [None, -1.0, -2.0]), body[1]], ids),
         "not null": ([_answer(ids[0], [-0.5, -1.0, -2.0]), body[1]], ids),
+        "is not \\[logprob, token id": ([{"meta_info": {"input_token_logprobs": [None, [-1.0, 6], [-2.0, 7]]}},
+                                          body[1]], ids),
+        "not a number": ([_answer(ids[0], [None, "-1.0", -2.0]), body[1]], ids),
     }
     for says, (answer, sent) in bad.items():
         with pytest.raises(EngineRequestError, match=says):

@@ -237,6 +237,17 @@ def test_a_wrong_conversion_misses_megatrons_logits_by_far(mistake):
 @pytest.mark.megatron
 @pytest.mark.slow
 @pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+def test_a_gpt_of_another_tp_size_than_megatrons_state_is_refused():
+    """Asked for TP = 1 while megatron's state is 2-way, ``build_llama_gpt`` refuses, saying how to mend it,
+    rather than split the model over a group of the wrong size."""
+    for r in _ranks():
+        assert "2-way tensor parallel, not tp=1" in r["tp1_over_tp2_refused"], r["tp1_over_tp2_refused"]
+        assert "destroy_model_parallel()" in r["tp1_over_tp2_refused"]
+
+
+@pytest.mark.megatron
+@pytest.mark.slow
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 def test_tp2_gathers_the_same_hf_weights_as_tp1():
     """One seed, TP = 2 and TP = 1: the gathered HF state dicts are equal bit for bit, on both ranks, so
     the gather undoes megatron's own split (whole query groups, strided ``linear_fc1``, vocab rows)."""

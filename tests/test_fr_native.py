@@ -408,6 +408,13 @@ def test_bare_json_dumps_are_read_without_traces(tmp_path, capsys):
     code, doc, _ = _replay(capsys, "--flight-recorder", str(tmp_path))
     assert (code, doc["verdict"], doc["flight_recorder"]["prefix"]) == (0, "ok", "fr-rank-"), doc
     assert [g["members"] for g in doc["flight_recorder"]["groups"]] == [[0, 1]]
+    # The --json contract is the same object with or without traces: every key Diagnosis.to_json() has.
+    from dataclasses import fields
+
+    from miles_fsm.replay.diagnose import Diagnosis
+
+    assert set(doc) == {f.name for f in fields(Diagnosis)}, set(doc) ^ {f.name for f in fields(Diagnosis)}
+    assert doc["leaks"] == [] and not any(doc["trace_problems"].values()), doc["trace_problems"]
 
 
 def test_a_lifecycle_json_dump_with_a_malformed_field_is_one_line(tmp_path, capsys):

@@ -184,3 +184,21 @@ def test_the_trace_and_replay_contracts_can_fail(tmp_path, where, text, chain):
     result = _lint(tmp_path, site, extra=(f"miles_fsm.{where}.zz_planted",))
     assert result.returncode != 0
     assert chain in result.stdout, result.stdout
+
+
+def test_importing_every_replay_module_imports_no_torch():
+    """The contract above exempts the functions that call torch's own Flight Recorder analyzer; this holds
+    the rest of it at run time: no replay module, nor the CLI that runs replay, imports torch when loaded."""
+    import miles_fsm.replay
+
+    names = sorted(p.stem for p in Path(miles_fsm.replay.__file__).parent.glob("*.py") if p.stem != "__init__")
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module('miles_fsm.replay.' + name)\n"
+        "import miles_fsm.apps.replay, miles_fsm.flight_recorder\n"
+        "print('torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(names) > 20 and proc.stdout.strip() == "False", proc.stdout

@@ -48,7 +48,7 @@ def input_logprobs(engine: str, body: Any, ids: Sequence[Sequence[int]]) -> list
     for n, item in enumerate(items):
         meta = item.get("meta_info") if isinstance(item, Mapping) else None
         rows = meta.get("input_token_logprobs") if isinstance(meta, Mapping) else None
-        echoed = tuple(r[1] for r in rows) if isinstance(rows, list) else ()
+        echoed = tuple(r[1] for r in rows) if isinstance(rows, list) and all(map(_is_row, rows)) else ()
         i = wanted.get(echoed, n)
         problem = _rows_problem(rows, ids[i])
         if problem:
@@ -59,12 +59,19 @@ def input_logprobs(engine: str, body: Any, ids: Sequence[Sequence[int]]) -> list
                                      message=f"answer {n} repeats prompt {i}")  # fmt: skip
         # _rows_problem found none: ``rows`` is a list of [logprob, id, text] rows.
         out[i] = [float(r[0]) for r in cast("list[list[Any]]", rows)[1:]]
-    return [row for row in out if row is not None]
+    # As many answers as prompts, none repeated: every prompt has its row.
+    return cast("list[list[float]]", out)
+
+
+def _is_row(row: Any) -> bool:
+    return isinstance(row, (list, tuple)) and len(row) >= 2
 
 
 def _rows_problem(rows: Any, sent: Sequence[int]) -> str | None:
     if not isinstance(rows, list):
         return f"no meta_info.input_token_logprobs list (got {type(rows).__name__})"
+    if not all(map(_is_row, rows)):
+        return "a row of input_token_logprobs is not [logprob, token id, ...]"
     if len(rows) != len(sent):
         return f"{len(rows)} input logprobs for {len(sent)} input tokens"
     echoed = [r[1] for r in rows]
@@ -76,6 +83,8 @@ def _rows_problem(rows: Any, sent: Sequence[int]) -> str | None:
         return f"the first input logprob is {rows[0][0]!r}, not null"
     if any(r[0] is None for r in rows[1:]):
         return "a logprob after the first is null"
+    if not all(isinstance(r[0], (int, float)) and not isinstance(r[0], bool) for r in rows[1:]):
+        return "a logprob after the first is not a number"
     return None
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from miles_fsm.drivers.errors import NotLlamaShapedError
+from miles_fsm.errors import ConfigError
 
 __all__ = ["LlamaShape", "build_llama_gpt", "unwrap_gpt"]
 
@@ -178,7 +179,8 @@ def build_llama_gpt(shape: LlamaShape, *, seed: int = 1234, dtype: torch.dtype =
     """A bare Llama-shaped ``GPTModel`` (local spec, CPU init), identical for one seed at any TP size.
 
     Initializes megatron's model parallel state (``tp``-way tensor parallel)
-    unless it already is; needs the default process group.
+    unless it already is; needs the default process group. A state of
+    another TP size is a ``ConfigError``.
     """
     with warnings.catch_warnings():
         # megatron warns at import that Apex/TransformerEngine are absent; not actionable here.
@@ -191,6 +193,11 @@ def build_llama_gpt(shape: LlamaShape, *, seed: int = 1234, dtype: torch.dtype =
 
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tp, 1)
+        elif (have := parallel_state.get_tensor_model_parallel_world_size()) != tp:
+            # Built anyway, the model would be split tp ways over a group of another size.
+            raise ConfigError([f"megatron's model parallel state is {have}-way tensor parallel, not tp={tp}: pass "
+                               f"tp={have}, or call megatron.core.parallel_state.destroy_model_parallel() first"],
+                              what="build_llama_gpt")  # fmt: skip
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         config = TransformerConfig(

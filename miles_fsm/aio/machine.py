@@ -235,6 +235,12 @@ class AsyncMachine:
                         at_mono=time.monotonic(),
                     )
                 )
+            elif lc.state is not source:
+                # Committed, then the owner's on_commit raised (MemoryDriftError under policy="raise"): the
+                # rank did move, so watchers see it; the caller gets the error, and no result came back.
+                self._publish(
+                    StateChange(source=source, dest=lc.state, trigger=trigger, epoch=lc.epoch, at_mono=time.monotonic())
+                )
         deliver(gate, cancel)
         value: TransitionResult = gate.value
         return value

@@ -25,7 +25,10 @@ class StateChange:
     """One move of a rank's state, as published to watchers.
 
     ``trigger`` is None for ``recover``. ``error`` is set when ``dest`` is
-    FAILED; ``result`` when a transition finished.
+    FAILED; ``result`` when a transition finished and returned. A transition
+    that committed and whose caller then got an error from what runs after
+    the commit (``MemoryDriftError`` under ``DriftConfig(policy="raise")``)
+    is published too, with neither.
     """
 
     source: Any

@@ -23,10 +23,15 @@ from miles_fsm.replay.fr_align import RankCollective
 from miles_fsm.replay.fr_groups import FrGroups, GroupVerdict, analyse
 from miles_fsm.replay.fr_native import DEFAULT_PREFIX, NativeDumps, checked, load_native_dir
 from miles_fsm.replay.problems import Verdict
-from miles_fsm.replay.shapes import CollectiveEntry
+from miles_fsm.replay.shapes import CollectiveEntry, TraceProblems
 
 __all__ = ["FrOnlyReplay", "collectives", "replay_dumps"]
 
+
+def _no_trace_problems() -> TraceProblems:
+    """No trace was read, so none is damaged: the contract's object, every list empty (a new one per call)."""
+    return TraceProblems(bad_lines=[], truncated=[], lost_records={}, duplicates=[], damaged=[], missing_ranks=[],
+                         run=None, ignored=[], warnings=[])  # fmt: skip
 
 @dataclass(frozen=True, slots=True)
 class FrOnlyReplay:
@@ -86,7 +91,8 @@ class FrOnlyReplay:
             "verdict": self.verdict, "headline": self.headline, "culprit": self.culprit(),
             "world": max((*self.native.dumps, *missing), default=-1) + 1, "ranks": [], "missing_ranks": missing,
             "first_divergence": None, "stuck": [], "illegal": [], "verification": [], "guard_failures": [],
-            "failures": [], "outside_failures": [], "stragglers": [], "trace_problems": None, "notes": notes,
+            "failures": [], "outside_failures": [], "stragglers": [], "trace_problems": _no_trace_problems(),
+            "notes": notes, "leaks": [],
             "flight_recorder": {
                 "line": self.groups.line, "mismatch": bool(self.groups.out_of_step),
                 "ranks": [r.to_json() for r in self.last], "missing": missing, "problems": [],
