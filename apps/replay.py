@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import orjson
 
@@ -96,14 +97,19 @@ def _run(args: argparse.Namespace) -> int:
     except (TraceDirError, OutputPathError, FlightRecorderError) as exc:
         sys.stderr.write(f"miles-fsm replay: {exc}\n")
         return EXIT_BAD_INPUT
+    return _print(args, diagnosis.to_json, lambda out: render(diagnosis, out), diagnosis.exit_code)
+
+
+def _print(args: argparse.Namespace, to_json: Callable[[], Any], report: Callable[[TextIO], None], code: int) -> int:
+    """The ``--json`` object or the report on stdout, where the timeline went on stderr; ``code`` back."""
     if args.json:
-        sys.stdout.buffer.write(orjson.dumps(diagnosis.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
+        sys.stdout.buffer.write(orjson.dumps(to_json(), option=orjson.OPT_INDENT_2) + b"\n")
         sys.stdout.flush()
     else:
-        render(diagnosis, sys.stdout)
+        report(sys.stdout)
     if args.perfetto:
         sys.stderr.write(f"wrote the Perfetto timeline to {args.perfetto} (open it at https://ui.perfetto.dev)\n")
-    return diagnosis.exit_code
+    return code
 
 
 def _run_dumps_only(args: argparse.Namespace) -> int:
@@ -125,11 +131,4 @@ def _run_dumps_only(args: argparse.Namespace) -> int:
     except (OutputPathError, FlightRecorderError) as exc:
         sys.stderr.write(f"miles-fsm replay: {exc}\n")
         return EXIT_BAD_INPUT
-    if args.json:
-        sys.stdout.buffer.write(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2) + b"\n")
-        sys.stdout.flush()
-    else:
-        result.render(sys.stdout)
-    if args.perfetto:
-        sys.stderr.write(f"wrote the Perfetto timeline to {args.perfetto} (open it at https://ui.perfetto.dev)\n")
-    return result.exit_code
+    return _print(args, result.to_json, result.render, result.exit_code)
