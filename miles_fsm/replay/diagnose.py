@@ -20,6 +20,7 @@ from typing import Any
 from miles_fsm.ranks import plural_ranks, rank_ranges
 from miles_fsm.replay import evidence, stalls
 from miles_fsm.replay import summary as rank_summary
+from miles_fsm.replay.attempts import counted
 from miles_fsm.replay.model import Damage, RankTrace
 from miles_fsm.replay.problems import (
     RANK,
@@ -250,15 +251,17 @@ def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: TracePro
     unclean = sorted(t.rank for t in traces if t.closed is not None and t.closed.get("clean") is not True)
     if unclean:
         reasons.append(f"{plural_ranks(unclean)} closed their trace on an error")
-    lengths = Counter(t.positions for t in traces)
+    # Alignment's count: a transition cancelled before its guard, then fired again, is no extra step.
+    counts = {t.rank: counted(t).positions for t in traces}
+    lengths = Counter(counts.values())
     if len(lengths) > 1:
         most = lengths.most_common(1)[0][0]
-        behind = sorted(t.rank for t in traces if t.positions != most)
+        behind = sorted(r for r, n in counts.items() if n != most)
         reasons.append(f"{plural_ranks(behind)} ended at another point than the others")
     if reasons:
         return Verdict.INCOMPLETE, "the traces are incomplete: " + "; ".join(reasons)
     n = len(traces)
-    per = traces[0].positions if traces else 0
+    per = counts[traces[0].rank] if traces else 0
     return (
         Verdict.OK,
         f"{n} rank(s), {per} transitions each: no divergence, no stopped rank, no illegal transition, "

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from miles_fsm.blame import suspects
 from miles_fsm.ranks import plural_ranks, rank_ranges
+from miles_fsm.replay.attempts import counted_all
 from miles_fsm.replay.model import CANCELLED, RankTrace
 from miles_fsm.replay.shapes import Difference, FirstDivergence, GuardReport, ValueGroup
 from miles_fsm.trace.schema import GUARD_FAILED, error_fields
@@ -90,7 +91,8 @@ def _first_mismatch(t: RankTrace, sig: Any, guard: Any, r: RankTrace, rsig: Any,
 
 
 def first_divergence(traces: Sequence[RankTrace]) -> Divergence | None:
-    traces = [t for t in traces if t.positions]
+    """The first counted position (``miles_fsm.replay.attempts``) where ranks' intents differ, if any."""
+    traces = [t for t in counted_all(traces) if t.positions]
     if len(traces) < 2:
         return None
     sigs, guards = _global(traces)

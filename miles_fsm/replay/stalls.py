@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Literal
 
+from miles_fsm.replay.attempts import counted_all
 from miles_fsm.replay.evidence import CORE_EVENTS
 from miles_fsm.replay.model import FINISHED, RankTrace
 from miles_fsm.replay.shapes import (
@@ -183,7 +184,7 @@ def stragglers(traces: Sequence[RankTrace], ratio: float, floor_s: float) -> lis
     """Per trigger: the rank with the most own work time (guard wait excluded) against the median."""
     import numpy as np
 
-    traces = [t for t in traces if t.positions]
+    traces = [t for t in counted_all(traces) if t.positions]
     if len(traces) < 2:
         return []
     width = max(t.positions for t in traces)
