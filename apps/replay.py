@@ -16,7 +16,8 @@ from miles_fsm.flight_recorder import FlightRecorderError
 from miles_fsm.replay.checks import MAX_RANKS
 from miles_fsm.replay.model import EpochRange, TraceDirError
 from miles_fsm.replay.perfetto import OutputPathError, check_output, export_perfetto
-from miles_fsm.replay.report import EXIT_BAD_INPUT, render, replay
+from miles_fsm.replay.report import EXIT_BAD_INPUT, render
+from miles_fsm.replay.several import Several, replay_folder
 
 __all__ = ["add_parser"]
 
@@ -29,7 +30,8 @@ def add_parser(sub: Any) -> None:
         "who is stuck or crashed and in what, what failed verification, and who straggles. "
         "Exit 0: healthy; 3: a problem was diagnosed; 2: bad input.",
     )
-    p.add_argument("dir", nargs="?", help="the trace directory (the --trace-dir of the run); leave it out to read "
+    p.add_argument("dir", nargs="?", help="the trace directory (the --trace-dir of the run), or a folder of runs "
+                   "(one sub-folder each: each is replayed, or the one --run names); leave it out to read "
                    "only the --flight-recorder dumps of a job without lifecycle traces")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     p.add_argument(
@@ -49,7 +51,8 @@ def add_parser(sub: Any) -> None:
         help="only these ranks: 3, 0,2 or 4-7 (repeatable)",
     )
     p.add_argument("--epoch", type=_parse_epochs, metavar="E", help="only these epochs: 2, 2:5 or 3:")
-    p.add_argument("--run", dest="run_id", metavar="RUN_ID", help="read only this run's records, when DIR holds several runs")
+    p.add_argument("--run", dest="run_id", metavar="RUN_ID", help="read only this run's records, when DIR holds several runs; "
+                   "in a folder of runs, the sub-folder of this name (or run id)")
     p.add_argument("--workers", type=int, default=None, help="processes to read with (default: by trace size)")
     p.add_argument(
         "--straggler-ratio", type=float, default=1.5, help="flag a rank this many times the median (default 1.5)"
@@ -83,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
         return _run_dumps_only(args)
     ranks = None if args.rank is None else [r for group in args.rank for r in group]
     try:
-        diagnosis = replay(
+        diagnosis = replay_folder(  # DIR, or each run of a folder of runs (one sub-folder each)
             args.dir,
             ranks=ranks,
             epochs=args.epoch,
@@ -97,6 +100,8 @@ def _run(args: argparse.Namespace) -> int:
     except (TraceDirError, OutputPathError, FlightRecorderError) as exc:
         sys.stderr.write(f"miles-fsm replay: {exc}\n")
         return EXIT_BAD_INPUT
+    if isinstance(diagnosis, Several):
+        return _print(args, diagnosis.to_json, diagnosis.render, diagnosis.exit_code)
     return _print(args, diagnosis.to_json, lambda out: render(diagnosis, out), diagnosis.exit_code)
 
 

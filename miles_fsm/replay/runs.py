@@ -10,6 +10,7 @@ are then ignored and listed.
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,12 @@ class MixedRunsError(TraceDirError):
         runs = "; ".join(f"run {_name(run)} in {_files(names)}" for run, names in files.items())
         midway = f"; {', '.join(changing)} {'changes' if len(changing) == 1 else 'change'} run midway" if changing \
             else ""  # fmt: skip
-        super().__init__(path, f"holds traces of {len(files)} runs: {runs}{midway}; pick one with --run RUN_ID")
+        named = [run for run in files if run is not None]
+        commands = "; ".join(f"miles-fsm replay {shlex.quote(str(path))} --run {shlex.quote(run)}"
+                             for run in named[:_SHOWN])
+        more = f" (and {len(named) - _SHOWN} more)" if len(named) > _SHOWN else ""
+        pick = f"replay one with: {commands}{more}" if named else "pick one with --run RUN_ID"
+        super().__init__(path, f"holds traces of {len(files)} runs: {runs}{midway}; {pick}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
