@@ -15,8 +15,9 @@ from toy import ToyEngine
 from miles_fsm.apps.cli import main
 from miles_fsm.config import GuardConfig, LifecycleConfig
 from miles_fsm.launch.local import RankContext, run_ranks
-from miles_fsm.states import State
+from miles_fsm.states import State, Strategy
 from miles_fsm.states.aio import AsyncLifecycle
+from miles_fsm.states.errors import VerificationError
 from miles_fsm.states.lifecycle import Lifecycle
 
 
@@ -63,3 +64,46 @@ def test_a_transition_retried_after_a_cancel_before_its_guard_replays_ok(tmp_pat
     code, d = as_json(capsys, str(tmp_path))
     assert (code, d["verdict"]) == (0, "ok"), d["headline"]
     assert d["first_divergence"] is None
+
+
+class _RestoredWrong(GatedTrainer):
+    """A trainer (backup strategy) whose restore writes one tensor back wrong: ``bad`` names which."""
+
+    def __init__(self, bad: str) -> None:
+        super().__init__(strategy=Strategy.BACKUP)
+        self.bad = bad
+
+    def restore(self, tag: str):
+        out = super().restore(tag)
+        self.params[self.bad].add_(1.0)
+        return out
+
+
+def mismatch_per_rank(ctx: RankContext) -> dict[str, Any]:
+    """Each rank restores the tensor ``kwargs["bad"][rank]`` wrong; resume's verification fails on each."""
+    config = LifecycleConfig(guard=GuardConfig(timeout_s=10.0), trace_dir=ctx.kwargs["trace_dir"])
+    error = None
+    trainer = _RestoredWrong(ctx.kwargs["bad"][ctx.rank])
+    with Lifecycle(trainer=trainer, engine=ToyEngine(), config=config) as lc:
+        for fire in (lc.start, lc.offload, lc.pause, lc.rematerialize, lc.sync, lc.resume):
+            try:
+                fire()
+            except VerificationError as exc:  # what the test is about: the trace holds it
+                error = type(exc).__name__
+                break
+    return {"error": error}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("bad", "why"), [(("b", "b"), "the same"), (("b", "w"), "a different")])
+def test_verification_failures_that_nothing_tells_apart_name_no_culprit(bad, why, tmp_path, capsys,
+                                                                       assert_no_leftovers):
+    """A real 2-rank run where both ranks fail resume's verification, with the same mismatched tensor or one
+    each, and no record traces the data to a rank: replay says corrupt with the culprit undecided (both
+    suspects, none named), and the headline says so in words, never blaming the higher rank."""
+    out = run_ranks(mismatch_per_rank, 2, timeout_s=60, kwargs={"trace_dir": str(tmp_path), "bad": bad})
+    assert [o.result["error"] for o in out if o.ok] == ["VerificationError", "VerificationError"], out
+    code, d = as_json(capsys, str(tmp_path))
+    assert (code, d["verdict"]) == (3, "corrupt"), d["headline"]
+    assert d["culprit"]["ranks"] == [] and d["culprit"]["decided"] is False and d["culprit"]["suspects"] == [0, 1]
+    assert "undecided" in d["headline"], d["headline"]

@@ -282,26 +282,24 @@ def corruption(verification: list[VerificationFailure], located: list[LocatedFau
     failed = sorted({v["rank"] for v in firsts})
     tensors = sorted({n for v in firsts for n in v["tensors"]})
     v0 = firsts[0]
-    decided = True
     named = Counter(c for loc in located if loc["position"] >= first_pos - 1 for c in loc["culprits"])
     if named:
         top = max(named.values())
         culprits = sorted(r for r, n in named.items() if n == top)
         why = f"; traced to {plural_ranks(culprits)} by the ranks' own records (data rebuilt from its state)"
+        decided = True
     else:
+        # Nothing traces the data to a rank: which ranks saw which mismatches is no evidence of whose data
+        # was wrong (ranks that share a cause can be the many), so it names nobody, as a divergence would not.
         groups: dict[tuple[str, ...], list[int]] = defaultdict(list)
         for v in firsts:
-            groups[tuple(v["tensors"])].append(v["rank"])
-        if len(groups) > 1:
-            ordered = sorted(groups.values(), key=lambda rs: (-len(rs), rs[0]))
-            culprits = sorted(r for rs in ordered[1:] for r in rs)
-            why = f"; {plural_ranks(culprits)} saw a different set of mismatches than the others"
-        else:
-            culprits = failed
-            why = ""
-            if len(failed) > 1:
-                why = "; every rank saw the same mismatch, so the traces do not say whose data was wrong"
-                decided = False
+            groups[tuple(sorted(set(v["tensors"])))].append(v["rank"])
+        culprits, decided = failed, len(failed) == 1
+        seen = "the same mismatch" if len(groups) == 1 else "; ".join(
+            f"{plural_ranks(rs)}: {_names(names, 3)}" for names, rs in sorted(groups.items(), key=lambda g: g[1]))
+        why = "" if decided else (f"; undecided: {plural_ranks(failed)} saw {seen}"
+                                  if len(groups) == 1 else f"; undecided: they saw different mismatches ({seen})")
+        why += "" if decided else ", and no record traces the data to a rank, so none is singled out"
     return Problem(
         verdict=Verdict.CORRUPT,
         position=first_pos,
