@@ -1,4 +1,6 @@
-"""How sets of ranks are written in reports: ``0-3, 5``, ``rank 4``, ``ranks 1, 3``."""
+"""How sets of ranks are written in reports: ``0-3, 5``, ``rank 4``, ``ranks 1, 3``, ``rank 2 was``.
+
+Every report and error names ranks through these, so the words agree with the count in one place."""
 
 from __future__ import annotations
 
@@ -23,10 +25,9 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ", ".join(out)
 
 
-def _plural(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
-
-
-def plural_ranks(ranks: Sequence[int]) -> str:
-    """``rank 3`` or ``ranks 0-2, 5``."""
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}"
+def plural_ranks(ranks: Sequence[int], verb: tuple[str, str] | None = None) -> str:
+    """``rank 3`` or ``ranks 0-2, 5``; with ``verb`` (singular, plural), followed by the form that agrees:
+    ``plural_ranks([2], ("was", "were"))`` is ``rank 2 was``."""
+    one = len(set(ranks)) == 1
+    text = f"rank {ranks[0]}" if one else f"ranks {rank_ranges(ranks)}"
+    return text if verb is None else f"{text} {verb[0] if one else verb[1]}"

@@ -79,6 +79,14 @@ class Diagnosis:
     flight_recorder: FlightRecorderReport | None = None
     #: Memory kept alive cycle after cycle (``miles_fsm.replay.leaks``): beside the verdict, never one.
     leaks: list[Leak] = field(default_factory=list)
+    #: The report's first word when it is not the verdict's: ``FAILED`` for a ``crashed`` verdict whose rank
+    #: raised (its process was alive to record the error) rather than died. Not in ``--json``: the verdict is.
+    label: str | None = None
+
+    @property
+    def word(self) -> str:
+        """The report's first word: the verdict, or what the evidence says more exactly (``label``)."""
+        return self.label or self.verdict.upper()
 
     @property
     def healthy(self) -> bool:
@@ -162,7 +170,10 @@ def diagnose(
     ]
     trace_problems = rank_summary.trace_problems(traces, missing, run=run, ignored=ignored, warnings=warnings,
                                                  world=world, damaged=misnamed)  # fmt: skip
+    # The crashes that are process deaths (a lost connection, a cut line); any other crash is an error raised.
+    died = stop_problems([s for s in stuck if s["how"] == "crashed"])
     verdict, headline, culprit, notes = _judge(problems, traces, missing, trace_problems)
+    lead = [p for p in problems if p.verdict == verdict and culprit is not None and p.position == culprit["position"]]
     ranks: list[RankEntry] = [rank_summary.rank_json(t) for t in traces]
     ranks += [{"rank": r, "status": "missing", "file": None} for r in missing]
     ranks.sort(key=lambda r: r["rank"])
@@ -183,6 +194,7 @@ def diagnose(
         stragglers=stalls.stragglers(traces, straggler_ratio, straggler_floor_s),
         trace_problems=trace_problems,
         notes=notes,
+        label="FAILED" if verdict == Verdict.CRASHED and not any(p in died for p in lead) else None,
     )
 
 
@@ -234,23 +246,22 @@ def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: TracePro
     if still_open:
         o = next(t.open for t in traces if t.open is not None)
         reasons.append(
-            f"{plural_ranks(still_open)} end inside a transition ({o.trigger}, epoch {o.epoch}) with no rank to blame: "
+            f"{plural_ranks(still_open, ('ends', 'end'))} inside a transition ({o.trigger}, epoch {o.epoch}) with no rank to blame: "
             "the job was stopped from outside, or is still running"
         )
     cut = [t for t in traces if t.closed is None and t.open is None]
     if cut:
-        ends = "; ".join(f"rank {t.rank} after {t.last_event}" + (f" of {t.last_subject}" if t.last_subject else "")
-                         + f" (epoch {t.epoch}, seq {t.last_seq})" for t in cut[:4])  # fmt: skip
+        ends = "; ".join(_end(t) for t in cut[:4])
         more = f" and {len(cut) - 4} more" if len(cut) > 4 else ""
         why = "schema v1 traces have no trace_closed" if all(t.meta.get("schema") == 1 for t in cut) else \
             "cut off: killed, hung or still running"  # fmt: skip
-        reasons.append(f"{plural_ranks([t.rank for t in cut])} end without trace_closed ({why}): {ends}{more}")
+        reasons.append(f"{plural_ranks([t.rank for t in cut], ('ends', 'end'))} without trace_closed ({why}): {ends}{more}")
     after = sorted(t.rank for t in traces if t.after_close)
     if after:
         reasons.append(f"{plural_ranks(after)} wrote records after trace_closed")
     unclean = sorted(t.rank for t in traces if t.closed is not None and t.closed.get("clean") is not True)
     if unclean:
-        reasons.append(f"{plural_ranks(unclean)} closed their trace on an error")
+        reasons.append(f"{plural_ranks(unclean, ('closed its', 'closed their'))} trace on an error")
     # Alignment's count: a transition cancelled before its guard, then fired again, is no extra step.
     counts = {t.rank: counted(t).positions for t in traces}
     lengths = Counter(counts.values())
@@ -267,6 +278,14 @@ def _clean_verdict(traces: Sequence[RankTrace], missing: list[int], tp: TracePro
         f"{n} rank(s), {per} transitions each: no divergence, no stopped rank, no illegal transition, "
         "no verification failure",
     )
+
+
+def _end(t: RankTrace) -> str:
+    """Where a cut-off trace ends: its last record (a file with none readable yet says so)."""
+    if t.last_event is None:
+        return f"rank {t.rank} with no readable record yet"
+    return (f"rank {t.rank} after {t.last_event}" + (f" of {t.last_subject}" if t.last_subject else "")
+            + f" (epoch {t.epoch}" + ("" if t.last_seq is None else f", seq {t.last_seq}") + ")")
 
 
 def _damage(damaged: list[DamageEntry]) -> str:

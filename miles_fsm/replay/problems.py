@@ -7,6 +7,7 @@ a crash) is its consequence.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -184,10 +185,13 @@ def outside_problems(outside: list[OutsideFailure], *, stopped: bool) -> list[Pr
         seen.add(f["rank"])
         # One that lost a peer, timed out, or names other ranks follows from a stopped rank, if there is one.
         follows = f["transport"] is not None or bool(set(f["culprits"]) - {f["rank"]})
-        where = f"in {f['where']}" if f["where"] else "outside any transition"
-        what = "its lifecycle was left by" if f["event"] == TRACE_CLOSED else f"{f['event']}:"
-        headline = (f"rank {f['rank']} failed {where} (epoch {f['epoch']}), outside the lifecycle's transitions; "
-                    f"{what} {f['error'] or 'an error'}" + (f": {f['message']}" if f["message"] else ""))  # fmt: skip
+        # It raised (its process was alive to record it); where, and whether it then left the run.
+        where = f"in {f['where']}, outside the lifecycle's transitions" if f["where"] else \
+            "outside the lifecycle's transitions"  # fmt: skip
+        then = "; it closed its trace on that error and left the run" if f["event"] == TRACE_CLOSED else \
+            f" (its {f['event']} record)"  # fmt: skip
+        headline = (f"rank {f['rank']} raised {f['error'] or 'an error'} {where} (epoch {f['epoch']}){then}"
+                    + (f": {f['message']}" if f["message"] else ""))  # fmt: skip
         problems.append(_of_rank(f, Verdict.CRASHED, f["where"], headline, consequence=stopped and follows))
     return problems
 
@@ -252,7 +256,9 @@ def stop_problems(stuck: list[StoppedRank]) -> list[Problem]:
         else:
             # Cut off while the others finished: it alone stopped. Merely silent (a live run): nobody yet.
             verdict, decided = Verdict.INCOMPLETE, how != "silent"
-        problems.append(_of_rank(s, verdict, s["transition"], s["summary"], decided=decided))
+        problem = _of_rank(s, verdict, s["transition"], s["summary"], decided=decided)
+        # Merely silent within the guard timeout (a live run): nothing has failed, so nobody is even a suspect.
+        problems.append(dataclasses.replace(problem, culprits=()) if how == "silent" else problem)
     return problems
 
 

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 from miles_fsm.errors import list_names
 from miles_fsm.flight_recorder import FlightRecorderError
 from miles_fsm.ranks import plural_ranks
-from miles_fsm.replay.diagnose import Diagnosis, diagnose, rank_ranges
+from miles_fsm.replay.diagnose import Diagnosis, Verdict, diagnose, rank_ranges
 from miles_fsm.replay.evidence import first_line
 from miles_fsm.replay.files import rank_files
 from miles_fsm.replay.fr_align import FrReport, explain
@@ -98,9 +98,17 @@ def with_flight_recorder(d: Diagnosis, report: FrReport | None) -> Diagnosis:
     if report is None:
         return d
     rogue = sorted(r.rank for r in report.ranks if r.declared is False)
-    notes = [*d.notes, f"the Flight Recorder shows {plural_ranks(rogue)} inside a collective its step's plan did not "
-             "declare: the likely cause of the hang"] if rogue else d.notes  # fmt: skip
+    notes = [*d.notes, _undeclared_note(d, rogue)] if rogue else d.notes
     return dataclasses.replace(d, flight_recorder=report.to_json(), notes=notes)
+
+
+def _undeclared_note(d: Diagnosis, rogue: list[int]) -> str:
+    """What a collective outside every plan means here: the likely cause of a hang only where ranks waited."""
+    seen = f"the Flight Recorder shows {plural_ranks(rogue)} inside a collective its step's plan did not declare"
+    waited = d.verdict in (Verdict.STUCK, Verdict.INCOMPLETE) or any(
+        g["error"] == "GuardTimeoutError" for g in d.guard_failures) or any(
+        f["transport"] == "timeout" for f in [*d.failures, *d.outside_failures])  # fmt: skip
+    return f"{seen}: the likely cause of the hang" if waited else f"{seen} (nothing waited on it: no rank timed out)"
 
 
 # -------------------------------------------------------------------- report
@@ -132,7 +140,7 @@ def render(d: Diagnosis, out: TextIO, *, rich: bool | None = None) -> None:
 
 def report_lines(d: Diagnosis) -> list[tuple[str | None, str]]:
     """(style, text) lines of the report; the first is the verdict."""
-    L: list[tuple[str | None, str]] = [(_STYLE[d.verdict], f"{d.verdict.upper()}: {d.headline}")]
+    L: list[tuple[str | None, str]] = [(_STYLE[d.verdict], f"{d.word}: {d.headline}")]
     for section in _SECTIONS:
         section(d, L)
     return L
@@ -154,8 +162,10 @@ def _summary(d: Diagnosis, L: list[tuple[str | None, str]]) -> None:
         c = d.culprit
         if c["decided"]:
             who = f"rank(s) {rank_ranges(c['ranks'])}"
+        elif c["suspects"]:
+            who = f"undecided (suspects: {rank_ranges(c['suspects'])})"
         else:
-            who = "undecided" + (f" (suspects: {rank_ranges(c['suspects'])})" if c["suspects"] else "")
+            who = "none: nothing recorded singles out a rank"
         where = f" | transition {c['transition']}" if c["transition"] else " | between transitions"
         add((None, f"  culprit: {who} | epoch {c['epoch']}{where}"))
     for n in d.notes:
@@ -348,7 +358,9 @@ def _rank_key(r: RankEntry) -> tuple[str]:
     if "error" in r:
         e = r["error"]
         text += f", {e['type']} in {e['action'] or 'guard'} of {e['transition']}"
-    text += _CLOSED.get(r["closed"], ", no trace_closed (cut off)")
+        if e["epoch"] != r["epoch"]:  # the rank's epoch is its last committed one; the failed transition's is its own
+            text += f" (epoch {e['epoch']})"
+    text += _CLOSED.get(r["closed"], ", no trace_closed (cut off, or still running)")
     return (text,)
 
 

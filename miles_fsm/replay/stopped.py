@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from miles_fsm.ranks import plural_ranks
 from miles_fsm.replay.evidence import last_own_record, stopped_from_outside
 from miles_fsm.replay.model import RankTrace
 from miles_fsm.replay.shapes import Accusation, StopHow, StoppedRank
-from miles_fsm.trace.schema import TRANSITION_CANCELLED, TRANSITION_FINISHED, error_fields
+from miles_fsm.trace.schema import TRACE_CLOSED, TRANSITION_CANCELLED, TRANSITION_FINISHED, error_fields
 
 __all__ = ["cancelled_at", "cut_off", "stopped_entry"]
 
@@ -52,35 +52,29 @@ def stopped_entry(
     at = min(decisive or acc, key=lambda a: a["position"]) if acc else None
     since = None if t is None else last_own_record(t)[2]
     stop = None if t is None else stopped_from_outside(t)
-    state, epoch, position, transition, inside = _where(t, at, traces, unread=unread)
+    where = _where(t, at, traces, unread=unread)
     silent = None if since is None or last_wall is None else max(0.0, last_wall - since)
     how, evidence = _judged(r, t, acc, traces, stop, silent, bound)
-    verb = {"crashed": "crashed", "stuck": "is stuck", "unknown": "stopped", "left": "left the run",
-            "cancelled": "cancelled", "silent": "is silent", "stopped": "was stopped from outside"}[how]
-    if t is None:
-        summary = f"rank {r} {verb}: " + ("its trace was not read (--rank)" if unread else "it left no trace")
-    elif how == "cancelled":
-        summary = f"rank {r} cancelled {transition} before its guard (epoch {epoch}, state {state}): it entered no collective"
-    elif t.open is not None:
-        summary = f"rank {r} {verb} in {inside} (epoch {epoch}, state {state})"
-    else:
-        summary = f"rank {r} {verb} in {state}, {inside} (epoch {epoch})"
-    if silent is not None and silent >= 0.1:
-        summary += f"; silent for ~{silent:.1f} s before the last record of any rank"
     accusers = sorted({x for a in decisive for x in a["by"]})
-    if accusers:
-        summary += f"; {plural_ranks(accusers)} " + (
-            "lost their connection to it" if any(a["kind"] == "lost" for a in decisive) else "timed out waiting for it"
-        )
-    elif waiters:
-        summary += f"; {plural_ranks(waiters)} were waiting for it at a guard"
+    if how == "silent":
+        summary = _live(r, where, silent, bound, waiters, opened=t is not None and t.open is not None)
+    else:
+        summary = _summary(r, t, how, where, unread=unread)
+        if silent is not None and silent >= 0.1:
+            summary += f"; silent for ~{silent:.1f} s before the last record of any rank"
+        if accusers:
+            lost = any(a["kind"] == "lost" for a in decisive)
+            summary += "; " + (plural_ranks(accusers, ("lost its", "lost their")) + " connection to it" if lost
+                               else plural_ranks(accusers) + " timed out waiting for it")  # fmt: skip
+        elif waiters:
+            summary += f"; {plural_ranks(waiters, ('was', 'were'))} waiting for it at a guard"
     return {
         "rank": r,
-        "state": state,
-        "epoch": epoch,
-        "transition": transition,
-        "position": position,
-        "inside": inside,
+        "state": where.state,
+        "epoch": where.epoch,
+        "transition": where.transition,
+        "position": where.position,
+        "inside": where.inside,
         "silent_s": silent,
         "silent_basis": "wall clocks of different ranks (an estimate)",
         "how": how,
@@ -93,8 +87,42 @@ def stopped_entry(
     }
 
 
-def _where(t: RankTrace | None, at: Accusation | None, traces: Sequence[RankTrace], *,
-           unread: bool) -> tuple[str | None, int | None, int, str | None, str]:  # fmt: skip
+class _Where(NamedTuple):
+    """Where a stopped rank was: its state, epoch, position, transition, and a phrase for inside what."""
+
+    state: str | None
+    epoch: int | None
+    position: int
+    transition: str | None
+    inside: str
+
+
+_VERB = {"crashed": "crashed", "stuck": "is stuck", "unknown": "stopped", "left": "left the run",
+         "cancelled": "cancelled", "silent": "is silent", "stopped": "was stopped from outside"}  # fmt: skip
+
+
+def _summary(r: int, t: RankTrace | None, how: StopHow, w: _Where, *, unread: bool) -> str:
+    """The first words of a stopped rank's summary: who, how, and where."""
+    if t is None:
+        return f"rank {r} {_VERB[how]}: " + ("its trace was not read (--rank)" if unread else "it left no trace")
+    if how == "cancelled":
+        return f"rank {r} cancelled {w.transition} before its guard (epoch {w.epoch}, state {w.state}): it entered no collective"
+    if t.open is not None:
+        return f"rank {r} {_VERB[how]} in {w.inside} (epoch {w.epoch}, state {w.state})"
+    return f"rank {r} {_VERB[how]} in {w.state}, {w.inside}"
+
+
+def _live(r: int, w: _Where, silent: float | None, bound: float | None, waiters: list[int], *, opened: bool) -> str:
+    """A silent rank's summary: a live run's, which singles nobody out (nothing has failed yet)."""
+    since = "" if silent is None or silent < 0.1 else f", ~{silent:.1f} s before the latest record of any rank"
+    limit = "the guard timeout" if bound is None else f"the guard timeout ({bound:g} s)"
+    who = f"{plural_ranks(waiters, ('is', 'are'))} waiting at a guard for rank {r}, last seen" if waiters \
+        else f"rank {r} was last seen"  # fmt: skip
+    return (f"no rank has failed yet, and the run may still be running: {who} in {w.state}, {w.inside}"
+            + (f" (epoch {w.epoch})" if opened else "") + f"{since}, within {limit}")
+
+
+def _where(t: RankTrace | None, at: Accusation | None, traces: Sequence[RankTrace], *, unread: bool) -> _Where:
     """Where the rank stopped: its state, epoch, position, transition, and a phrase for inside what."""
     if t is None:
         state, epoch, position, transition = None, at["epoch"] if at else None, None, None
@@ -109,27 +137,30 @@ def _where(t: RankTrace | None, at: Accusation | None, traces: Sequence[RankTrac
             "between steps": f"{o.trigger}, after its action {o.action}",
         }[o.phase]
     else:
-        state, epoch, position = t.state, t.epoch, t.positions
-        done = t.trigger_at(t.positions - 1) if t.positions else "nothing"
-        transition = at["transition"] if at else _next_trigger(traces, t.positions)
-        if at is not None and at["epoch"] is not None:
-            epoch = at["epoch"]
-        inside = _between(t, done, transition)
+        state, position = t.state, t.positions
+        # The transition it never started, with its epoch: the one its peers waited in, else a peer's next.
+        transition, epoch = _next_trigger(traces, t.positions)
+        if at is not None:
+            transition, epoch = at["transition"], at["epoch"] if at["epoch"] is not None else epoch
+        epoch = t.epoch if epoch is None else epoch
+        inside = _between(t, transition, epoch)
     if position is None:
         position = at["position"] if at else min((x.positions for x in traces), default=0)
-    return state, epoch, position, transition, inside
+    return _Where(state, epoch, position, transition, inside)
 
 
-def _between(t: RankTrace, done: str, transition: str | None) -> str:
-    """Where a rank stopped between transitions: after which one, and its last record if outside them."""
+def _between(t: RankTrace, transition: str | None, epoch: int | None) -> str:
+    """Where a rank stopped between transitions: after which one (and its epoch), before which, and its last
+    record if that is outside them. Each transition named with its own epoch, never another's."""
+    done = "nothing" if not t.positions else f"{t.trigger_at(t.positions - 1)} (epoch {t.epochs[t.positions - 1]})"
     if cancelled_at(t) is not None:
-        return f"{done}, which it cancelled before its guard: it entered no collective"
-    inside = f"between transitions: it finished {done}" + (f" and never started {transition}" if transition else "")
+        return f"between transitions: it cancelled {done} before its guard, and entered no collective"
+    inside = f"between transitions: it finished {done}" + (
+        f" and never started {transition}" + ("" if epoch is None else f" (epoch {epoch})") if transition else "")
     last_event, last_subject, _ = last_own_record(t)
-    if last_event != TRANSITION_FINISHED and last_event is not None:
+    if last_event not in (TRANSITION_FINISHED, TRACE_CLOSED, None):
         # Its last record is outside the lifecycle's transitions (a guarded train step, a driver's own).
-        inside = f"between transitions: it finished {done}, and its last record is {last_event}" + (
-            f" of {last_subject}" if last_subject else "")
+        inside += f"; its last record is {last_event}" + (f" of {last_subject}" if last_subject else "")
     return inside
 
 
@@ -196,13 +227,13 @@ def _how(r: int, t: RankTrace | None, acc: list[Accusation]) -> tuple[StopHow, s
             f" on its own error, {c.get('error') or 'an error'}: {_first_line(c.get('message'))}"  # fmt: skip
         return "left", (
             f"rank {r} closed its trace{own or ' cleanly'} and left while {plural_ranks(waited)} still needed it "
-            f"({'they lost their connection to it' if lost else 'they timed out waiting for it'}): it did not "
+            f"({plural_ranks(waited, ('lost its', 'lost their')) + ' connection to it' if lost else plural_ranks(waited) + ' timed out waiting for it'}): it did not "
             f"crash{also}"
         )
     if lost and kinds["lost"] >= kinds["timeout"]:
         a = lost[0]
         return "crashed", (
-            f"{plural_ranks(sorted({x for a in lost for x in a['by']}))} lost their connection to rank {r} in "
+            f"{plural_ranks(sorted({x for a in lost for x in a['by']}), ('lost its', 'lost their'))} connection to rank {r} in "
             f"{a['via']} and recorded it, while rank {r} recorded nothing more: its process was gone{also}"
         )
     if timeout:
@@ -225,8 +256,9 @@ def _first_line(text: Any) -> str:
     return str(text).splitlines()[0] if text else ""
 
 
-def _next_trigger(traces: Sequence[RankTrace], index: int) -> str | None:
+def _next_trigger(traces: Sequence[RankTrace], index: int) -> tuple[str | None, int | None]:
+    """The transition some rank started at position ``index``, and its epoch (None, None: no rank did)."""
     for t in traces:
         if t.positions > index:
-            return t.trigger_at(index)
-    return None
+            return t.trigger_at(index), t.epochs[index]
+    return None, None
