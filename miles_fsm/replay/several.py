@@ -102,7 +102,7 @@ def _verdict_lines(d: Diagnosis) -> list[str]:
     for _, text in report_lines(d):
         if text.startswith("\n"):
             break
-        head.append(text)
+        head.append(text.replace("(below)", "(in the full report)"))
     return head
 
 

@@ -155,8 +155,13 @@ def _between(t: RankTrace, transition: str | None, epoch: int | None) -> str:
     done = "nothing" if not t.positions else f"{t.trigger_at(t.positions - 1)} (epoch {t.epochs[t.positions - 1]})"
     if cancelled_at(t) is not None:
         return f"between transitions: it cancelled {done} before its guard, and entered no collective"
-    inside = f"between transitions: it finished {done}" + (
-        f" and never started {transition}" + ("" if epoch is None else f" (epoch {epoch})") if transition else "")
+    at = "" if epoch is None else f" (epoch {epoch})"
+    if transition is None:
+        inside = f"between transitions: it finished {done}"
+    elif any(sig[0] == transition for sig in t.sig_table):
+        inside = f"between transitions: it finished {done} and never started {transition}{at}"
+    else:  # not a transition: the driver's or the demo's own step (a guarded train step), where its peers waited
+        inside = f"between transitions: it finished {done}, and its peers then waited for it in {transition}{at}"
     last_event, last_subject, _ = last_own_record(t)
     if last_event not in (TRANSITION_FINISHED, TRACE_CLOSED, None):
         # Its last record is outside the lifecycle's transitions (a guarded train step, a driver's own).
