@@ -79,14 +79,16 @@ class Diagnosis:
     flight_recorder: FlightRecorderReport | None = None
     #: Memory kept alive cycle after cycle (``miles_fsm.replay.leaks``): beside the verdict, never one.
     leaks: list[Leak] = field(default_factory=list)
-    #: The report's first word when it is not the verdict's: ``FAILED`` for a ``crashed`` verdict whose rank
-    #: raised (its process was alive to record the error) rather than died. Not in ``--json``: the verdict is.
-    label: str | None = None
-
     @property
     def word(self) -> str:
-        """The report's first word: the verdict, or what the evidence says more exactly (``label``)."""
-        return self.label or self.verdict.upper()
+        """The report's first word: the verdict, except ``FAILED`` for a ``crashed`` verdict whose culprit raised
+        (its process was alive to record the error) rather than died. ``--json`` keeps the verdict."""
+        if self.verdict != Verdict.CRASHED or self.culprit is None:
+            return self.verdict.upper()
+        c = self.culprit
+        died = any(s["how"] == "crashed" and s["rank"] in c["suspects"] and s["position"] == c["position"]
+                   for s in self.stuck)  # fmt: skip
+        return "CRASHED" if died else "FAILED"
 
     @property
     def healthy(self) -> bool:
@@ -170,10 +172,7 @@ def diagnose(
     ]
     trace_problems = rank_summary.trace_problems(traces, missing, run=run, ignored=ignored, warnings=warnings,
                                                  world=world, damaged=misnamed)  # fmt: skip
-    # The crashes that are process deaths (a lost connection, a cut line); any other crash is an error raised.
-    died = stop_problems([s for s in stuck if s["how"] == "crashed"])
     verdict, headline, culprit, notes = _judge(problems, traces, missing, trace_problems)
-    lead = [p for p in problems if p.verdict == verdict and culprit is not None and p.position == culprit["position"]]
     ranks: list[RankEntry] = [rank_summary.rank_json(t) for t in traces]
     ranks += [{"rank": r, "status": "missing", "file": None} for r in missing]
     ranks.sort(key=lambda r: r["rank"])
@@ -194,7 +193,6 @@ def diagnose(
         stragglers=stalls.stragglers(traces, straggler_ratio, straggler_floor_s),
         trace_problems=trace_problems,
         notes=notes,
-        label="FAILED" if verdict == Verdict.CRASHED and not any(p in died for p in lead) else None,
     )
 
 
