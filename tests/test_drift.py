@@ -139,10 +139,15 @@ def test_tracker_fits_the_slope_and_skips_warmup():
     assert final.slope == pytest.approx(slope) and final.cycles == 6
 
 
-def test_growth_within_tolerance_is_not_drift():
+def test_noise_within_tolerance_is_not_drift_but_sustained_growth_is():
+    """A figure that wobbles below ``abs_bytes`` is never drift; one that rises cycle after cycle is, once it rose ``abs_bytes``."""
     tracker = DriftTracker(DriftConfig(warmup_cycles=0, abs_bytes=100, rel=0.5))
-    assert not any(tracker.add(c, "TRAINING", [("rss", "process", 1000 + 10 * c)]) for c in range(1, 50))
-    assert tracker.add(60, "TRAINING", [("rss", "process", 1000 + 10 + 700)])
+    wobble = [0, 40, 10, 60, 30, 90, 0, 50, 99, 20] * 5
+    assert not any(tracker.add(c, "TRAINING", [("rss", "process", 1000 + w)]) for c, w in enumerate(wobble, 1))
+    tracker = DriftTracker(DriftConfig(warmup_cycles=0, abs_bytes=100, rel=0.5))
+    seen = [tracker.add(c, "TRAINING", [("rss", "process", 1000 + 10 * c)]) for c in range(1, 50)]
+    named = [c for c, f in enumerate(seen, 1) if f]
+    assert named == [11]  # 10 per cycle: 100 grown over the run from cycle 1, however large the figure
 
 
 @pytest.mark.parametrize(
@@ -153,6 +158,7 @@ def test_growth_within_tolerance_is_not_drift():
         ({"abs_bytes": 1.5}, "abs_bytes"),
         ({"rel": -0.1}, "rel"),
         ({"policy": "explode"}, "policy"),
+        ({"sustain_cycles": 0}, "sustain_cycles"),
     ],
 )
 def test_config_refuses_bad_values(kwargs, needle):
