@@ -13,8 +13,10 @@ Two inputs, either one is drift:
   drift as soon as on a 100 MiB one. A one-off step (a lazy buffer) is not a
   run: the robust slope of a step is ~0, and its later steps do not rise;
 - **threshold** (the rule before it, kept): the figure stands more than
-  ``abs_bytes + rel * baseline`` above its baseline. ``rel`` absorbs noise on
-  small figures; on large ones this input is inert and growth is the rule.
+  ``abs_bytes + rel * baseline`` above its baseline, judged from
+  ``sustain_cycles`` cycles past the baseline on (as growth is, so a slope is
+  never fitted over two or three points). ``rel`` absorbs noise on small
+  figures; on large ones this input is inert and growth is the rule.
 
 The slope is Siegel's repeated median over the run's points (the point just
 before the first rise included: a leak that began after the baseline lies on
@@ -91,6 +93,8 @@ def judge(points: Sequence[Point], baseline: int, config: DriftConfig) -> Judgem
         typical = median((y1 - y0) / (c1 - c0) for (c0, y0), (c1, y1) in zip(run, run[1:], strict=False))
         if steps >= k and last - run[0][1] >= config.abs_bytes and typical * steps >= config.abs_bytes:
             return Judgement("sustained", start, repeated_median_slope(run[-FIT_POINTS:]))
-    if last - baseline > config.tolerance(baseline):
+    # Judged once the figure has sustain_cycles cycles past its baseline, as growth is: over two or three
+    # points an allocator's one-off segment is half the slope (248 MB/cycle for a 134 MB leak on an H100).
+    if len(points) > k and last - baseline > config.tolerance(baseline):
         return Judgement("threshold", 0, repeated_median_slope(points[-FIT_POINTS:]))
     return None
