@@ -33,7 +33,7 @@ from statistics import median
 
 from miles_fsm.config import DriftConfig
 
-__all__ = ["FIT_POINTS", "Judgement", "judge", "repeated_median_slope"]
+__all__ = ["FIT_POINTS", "Judgement", "judge", "repeated_median_slope", "sustained_start"]
 
 #: Points kept per figure and fitted at most: the slope of the last 64 cycles, at O(64^2) per fit.
 FIT_POINTS = 64
@@ -69,6 +69,29 @@ def rising_steps(points: Sequence[Point]) -> int:
     return n
 
 
+def sustained_start(points: Sequence[Point], config: DriftConfig) -> int | None:
+    """Where sustained growth that is drift now begins (an index into ``points``), or None.
+
+    Over the growth run's last ``m`` steps, for the fewest ``m >= sustain_cycles`` that
+    qualify: the figure grew ``abs_bytes`` by its values and by its median per-cycle step
+    times their cycles. The fewest, so that the flat cycles before a leak (a figure
+    constant for 20 cycles never fell either) neither dilute its median step nor its slope.
+    """
+    k = config.sustain_cycles
+    if rising_steps(points) < k:
+        return None
+    last = len(points) - 1
+    for i in range(last - k, run_start(points) - 1, -1):
+        (c0, y0), (c1, y1) = points[i], points[last]
+        if y1 - y0 < config.abs_bytes:
+            continue
+        seg = points[i:]
+        typical = median((b - a) / (cb - ca) for (ca, a), (cb, b) in zip(seg, seg[1:], strict=False))
+        if typical * (c1 - c0) >= config.abs_bytes:
+            return i
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Judgement:
     """A figure found drifting: by which input, from which point its growth is fitted, at what slope."""
@@ -85,16 +108,14 @@ def judge(points: Sequence[Point], baseline: int, config: DriftConfig) -> Judgem
         return None
     last = points[-1][1]
     k = config.sustain_cycles
-    if rising_steps(points) >= k:
-        start = run_start(points)
-        run = points[start:]
-        steps = run[-1][0] - run[0][0]
-        # Spread over the run, not one step: its median per-cycle step, not only its total, reaches abs_bytes.
-        typical = median((y1 - y0) / (c1 - c0) for (c0, y0), (c1, y1) in zip(run, run[1:], strict=False))
-        if steps >= k and last - run[0][1] >= config.abs_bytes and typical * steps >= config.abs_bytes:
-            return Judgement("sustained", start, repeated_median_slope(run[-FIT_POINTS:]))
+    start = sustained_start(points, config)
+    if start is not None:
+        return Judgement("sustained", start, repeated_median_slope(points[start:][-FIT_POINTS:]))
     # Judged once the figure has sustain_cycles cycles past its baseline, as growth is: over two or three
     # points an allocator's one-off segment is half the slope (248 MB/cycle for a 134 MB leak on an H100).
     if len(points) > k and last - baseline > config.tolerance(baseline):
-        return Judgement("threshold", 0, repeated_median_slope(points[-FIT_POINTS:]))
+        # Fitted from where its latest rises began (not over the flat cycles before them), else since the baseline.
+        rises = rising_steps(points)
+        start = len(points) - 1 - rises if rises else 0
+        return Judgement("threshold", start, repeated_median_slope(points[start:][-FIT_POINTS:]))
     return None

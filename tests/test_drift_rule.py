@@ -75,6 +75,25 @@ def test_one_outlier_cycle_does_not_skew_the_slope(base):
     assert tracker.findings()[0].slope == pytest.approx(128 * MiB, rel=0.15)
 
 
+@pytest.mark.parametrize("creep", [0, 4096])
+def test_a_leak_after_a_long_flat_stretch_is_named_by_its_third_cycle(creep):
+    """A figure constant (or creeping up a page a cycle) for 20 cycles, then leaking 64 MiB per cycle from
+    cycle 21: it never fell, yet the flat cycles neither delay the finding nor dilute its slope."""
+    values = [8 * GiB + creep * c + 64 * MiB * max(0, c - 20) for c in range(1, 30)]
+    tracker, named = _feed(values, kind="device", tag="torch:allocated")
+    assert named[0][0] <= 23 and named[0][1].first_cycle in (20, 21)  # with the creep, one rise sooner
+    assert named[0][1].slope == pytest.approx(64 * MiB, rel=0.01)
+    assert tracker.findings()[0].slope == pytest.approx(64 * MiB, rel=0.01)
+
+
+def test_the_threshold_fits_from_where_the_growth_began():
+    """A small figure past its threshold at the leak's 2nd cycle: its slope is the leak's, not diluted by the
+    18 flat cycles before it."""
+    values = [GiB + 64 * MiB * max(0, c - 20) for c in range(1, 30)]
+    _, named = _feed(values, kind="device", tag="torch:allocated")
+    assert named[0][0] == 22 and named[0][1].slope == pytest.approx(64 * MiB)
+
+
 def test_a_slow_leak_is_named_once_it_grew_abs_bytes():
     """8 MiB/cycle on an 8 GiB process: named once it grew 64 MiB (its 8th cycle), not after 474 MiB."""
     _, named = _feed(_leak(40, base=8 * GiB, per_cycle=8 * MiB, start=4))
