@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 

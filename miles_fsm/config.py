@@ -152,6 +152,10 @@ class DriftConfig:
         if problems:
             raise ConfigError(problems, "DriftConfig")
 
+    def traced(self) -> dict[str, int | float | str]:
+        """What ``trace_opened`` records, so replay judges the run as the live check did."""
+        return {f: getattr(self, f) for f in ("warmup_cycles", "abs_bytes", "rel", "sustain_cycles", "policy")}
+
     @property
     def cycles_to_judge(self) -> int:
         """The fewest cycles a run needs for sustained growth to be judged: warm-up, baseline, then the rises."""
