@@ -10,7 +10,7 @@ untagged, as a user's code would. It passes when:
   cycle, in the live finding and in replay's (refitted over the whole run);
 - replay names the same figures, on rank 0, and exits 3.
 
-A healthy run passes with no finding at all.
+A healthy run passes with no finding at all, live or in replay.
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ def check_healthy(run: dict[str, Any], *, strategy: str) -> list[str]:
         failed.append(f"false positive under {strategy}: {run['false_positive']}")
     if run.get("warnings"):
         failed.append(f"warnings under {strategy}: {run['warnings']}")
+    leaks = (run.get("replay") or {}).get("leaks")
+    if leaks:
+        failed.append(f"replay found leaks under {strategy}: {leaks}")
     if run.get("cycles_done") != run.get("cycles"):
         failed.append(f"{strategy}: {run.get('cycles_done')} of {run.get('cycles')} cycles ran")
     return failed

@@ -71,6 +71,15 @@ def _cost(rows: list[tuple[str, float, float]]) -> dict[str, Any]:
     return out
 
 
+def named_in(caught: list[Any], cycle: int) -> list[dict[str, Any]]:
+    """The drift warnings among ``caught`` (other libraries' warnings are there too), as named at ``cycle``."""
+    from miles_fsm.states.drift import MemoryDriftWarning
+
+    return [{"rank": m.rank, "kind": m.finding.kind, "tag": m.finding.tag, "state": m.finding.state,
+             "named_at": cycle, "first_cycle": m.finding.first_cycle, "slope": m.finding.slope,
+             "grown": m.finding.grown} for m in (w.message for w in caught) if isinstance(m, MemoryDriftWarning)]  # fmt: skip
+
+
 def _leak_maker(kind: str | None, nbytes: int) -> Any:
     """What a user's leak keeps per cycle: a written CUDA tensor, or a written pinned host tensor."""
     import torch
@@ -123,12 +132,10 @@ def _run(state: dict[str, Any], saver: Any, strategy: str, trace_dir: Path, *, c
                 break
             torch.cuda.synchronize()
             out["cycles_done"] = c
-            new = [w.message for w in caught[seen:] if isinstance(w.message, MemoryDriftWarning)]
+            new = named_in(caught[seen:], c)
             seen = len(caught)
-            out["warnings"] += [{"rank": m.rank, "kind": m.finding.kind, "tag": m.finding.tag, "state": m.finding.state,
-                                 "named_at": c, "first_cycle": m.finding.first_cycle, "slope": m.finding.slope,
-                                 "grown": m.finding.grown} for m in new]  # fmt: skip
-            named = ", ".join(f"{m.finding.kind} {m.finding.tag} {m.finding.slope / MiB:.1f} MiB/cycle" for m in new)
+            out["warnings"] += new
+            named = ", ".join(f"{w['kind']} {w['tag']} {w['slope'] / MiB:.1f} MiB/cycle" for w in new)
             print(f"  {strategy} cycle {c}: ok ({len(kept)} kept){'; named ' + named if named else ''}", flush=True)
     out["cost"] = _cost(rows)
     kept.clear()
@@ -136,7 +143,7 @@ def _run(state: dict[str, Any], saver: Any, strategy: str, trace_dir: Path, *, c
     return out
 
 
-def _replay(trace_dir: Path) -> dict[str, Any]:
+def replay_run(trace_dir: Path) -> dict[str, Any]:
     """Replay's judgement of a run's traces, and rank 0's snapshots at TRAINING (the figures, cycle by cycle)."""
     from miles_fsm.replay.report import replay
 
@@ -195,14 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"healthy run, {strategy}, {args.cycles} cycles, policy raise", flush=True)
         r = result["healthy"][strategy] = _run(state, saver, strategy, args.out / f"healthy-{strategy}",
                                                cycles=args.cycles, policy="raise")  # fmt: skip
-        r["replay"] = _replay(args.out / f"healthy-{strategy}")
+        r["replay"] = replay_run(args.out / f"healthy-{strategy}")
         failed += check_healthy(r, strategy=strategy)
     for kind, mib in (("device", args.device_leak_mib), ("pinned", args.pinned_leak_mib)):
         print(f"{kind} leak run, backup, {args.leak_cycles} cycles, {mib} MiB per cycle from cycle {LEAK_FROM}, "
               "untagged", flush=True)  # fmt: skip
         r = result["leaks"][kind] = _run(state, saver, "backup", args.out / f"leak-{kind}", cycles=args.leak_cycles,
                                          policy="warn", leak=kind, leak_bytes=mib * MiB)  # fmt: skip
-        r["replay"] = _replay(args.out / f"leak-{kind}")
+        r["replay"] = replay_run(args.out / f"leak-{kind}")
         failed += check_leak(r, kind=kind, per_cycle=mib * MiB, start=LEAK_FROM)
     result["failed"] = failed
     path = args.out / "drift_gpu.json"

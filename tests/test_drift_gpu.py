@@ -93,11 +93,12 @@ def test_a_pinned_leak_seen_only_in_the_rss_passes():
 
 
 def test_a_healthy_run_with_any_finding_fails():
-    """A false positive, a warning, or a run cut short fails the healthy check."""
+    """A false positive, a warning, a leak replay finds, or a run cut short fails the healthy check."""
     ok = {"false_positive": None, "warnings": [], "cycles": 20, "cycles_done": 20}
     assert check_healthy(ok, strategy="backup") == []
     assert check_healthy({**ok, "false_positive": {"cycle": 7}, "cycles_done": 6}, strategy="backup")
     assert check_healthy({**ok, "warnings": [_warning("rss", "process", 9, 1.0)]}, strategy="backup")
+    assert check_healthy({**ok, "replay": {"leaks": [{"rank": 0, "kind": "rss"}]}}, strategy="backup")
 
 
 def test_the_script_refuses_bad_flags_and_a_host_without_cuda():
@@ -112,3 +113,42 @@ def test_the_script_refuses_bad_flags_and_a_host_without_cuda():
         proc = subprocess.run([sys.executable, script, "--out", "x"], capture_output=True, text=True, cwd=ROOT,
                               timeout=120)  # fmt: skip
         assert proc.returncode == 1 and "needs a CUDA device" in proc.stderr
+
+
+def test_the_scripts_pipeline_passes_a_real_untagged_host_leak_on_cpu(tmp_path):
+    """The script's own recording (``named_in``), replay (``replay_run``) and check, on a real CPU run: the
+    reference stack keeping a written 64 MiB buffer per cycle from cycle 3 in a plain list, as the pinned run
+    does on CUDA (where the RSS grows with it, as here). It passes; the same run's healthy twin has no finding."""
+    import warnings
+
+    import torch
+    from gpu_drift import named_in, replay_run
+    from test_drift import _lifecycle
+
+    from miles_fsm.config import DriftConfig
+    from miles_fsm.states import State, Strategy, Trigger
+
+    def run(leak: bool, trace_dir: Path) -> dict:
+        lc, _ = _lifecycle(Strategy.BACKUP, DriftConfig(), trace_dir)
+        kept, out, seen = [], {"warnings": [], "cycles": 8, "cycles_done": 0, "false_positive": None}, 0
+        with lc, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lc.start()
+            for c in range(1, 9):
+                if leak and c >= 3:
+                    kept.append(torch.ones(64 * MiB, dtype=torch.uint8))
+                lc.offload()
+                lc.pause()
+                for trig in lc.definition.path(State.PAUSED, State.TRAINING) or ():
+                    lc.fire(Trigger(trig))
+                out["warnings"] += named_in(caught[seen:], c)
+                seen, out["cycles_done"] = len(caught), c
+        kept.clear()
+        return {**out, "replay": replay_run(trace_dir)}
+
+    leaky = run(True, tmp_path / "leak")
+    assert check_leak(leaky, kind="pinned", per_cycle=64 * MiB, start=3) == [], leaky["warnings"]
+    assert [(w["kind"], w["named_at"]) for w in leaky["warnings"]] == [("rss", 6)]
+    assert leaky["replay"]["training_snapshots"][-1]["rss"] > leaky["replay"]["training_snapshots"][0]["rss"]
+    healthy = run(False, tmp_path / "healthy")
+    assert check_healthy(healthy, strategy="backup") == [] and healthy["replay"]["leaks"] == []
