@@ -27,6 +27,7 @@ the outlier whole.
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import median
@@ -81,12 +82,14 @@ def sustained_start(points: Sequence[Point], config: DriftConfig) -> int | None:
     if rising_steps(points) < k:
         return None
     last = len(points) - 1
-    for i in range(last - k, run_start(points) - 1, -1):
-        (c0, y0), (c1, y1) = points[i], points[last]
-        if y1 - y0 < config.abs_bytes:
+    rates: list[float] = []  # the per-cycle steps from point i on, kept sorted: the median costs nothing
+    for i in range(last - 1, run_start(points) - 1, -1):
+        (c0, y0), (ca, a), (c1, y1) = points[i], points[i + 1], points[last]
+        insort(rates, (a - y0) / (ca - c0))
+        if last - i < k or y1 - y0 < config.abs_bytes:
             continue
-        seg = points[i:]
-        typical = median((b - a) / (cb - ca) for (ca, a), (cb, b) in zip(seg, seg[1:], strict=False))
+        m = len(rates)
+        typical = rates[m // 2] if m % 2 else (rates[m // 2 - 1] + rates[m // 2]) / 2
         if typical * (c1 - c0) >= config.abs_bytes:
             return i
     return None

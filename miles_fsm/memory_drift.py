@@ -52,11 +52,15 @@ class _Series:
     points: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=FIT_POINTS))
     fit_from: int | None = None  # once found: the cycle its growth is fitted from
 
-    def add(self, cycle: int, value: int) -> None:
+    def add(self, cycle: int, value: int) -> bool:
+        """Take the figure at ``cycle``; False (and nothing kept) for a cycle older than the last one."""
+        if self.points and cycle < self.points[-1][0]:  # a damaged or hostile trace: cycles never go back
+            return False
         # A state seen twice in one cycle (a recovery): the later counts.
         if self.points and self.points[-1][0] == cycle:
             self.points.pop()
         self.points.append((cycle, value))
+        return True
 
 
 class DriftTracker:
@@ -85,8 +89,7 @@ class DriftTracker:
             series = self._series.get(key)
             if series is None:
                 self._series[key] = series = _Series(baseline=value)
-            series.add(cycle, value)
-            if (kind, tag) in self._found:
+            if not series.add(cycle, value) or (kind, tag) in self._found:
                 continue
             judgement = judge(series.points, series.baseline, self.config)
             if judgement is None:

@@ -128,3 +128,11 @@ def test_repeated_median_slope_ignores_one_outlier():
     pts[2] = (3, 10**9)
     assert repeated_median_slope(pts) == pytest.approx(1000)
     assert repeated_median_slope([(1, 5)]) == 0.0
+
+
+def test_cycles_that_go_back_are_ignored_not_a_traceback():
+    """A damaged trace whose epochs go back judges the figures in order and skips the rest."""
+    tracker = DriftTracker(DriftConfig())
+    for c, v in [(3, 0), (4, 64 * MiB), (5, 128 * MiB), (4, 0), (6, 192 * MiB), (3, 9), (6, 192 * MiB)]:
+        tracker.add(c, "TRAINING", [("rss", "process", v)])
+    assert [f.slope for f in tracker.findings()] == [64 * MiB]
