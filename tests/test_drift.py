@@ -180,9 +180,9 @@ def test_demo_leak_is_named_live_and_by_replay(tmp_path, assert_no_leftovers):
 
     result = run_demo(DemoConfig(ranks=2, steps=6, trace_dir=tmp_path / "traces",
                                  injections=(Injection(kind="leak", rank=1, step=2),)))  # fmt: skip
-    assert result.ok and result.exit_code == 0 and result.drift_unjudged == (None, False)
     live = [(f["rank"], f["kind"], f["tag"]) for f in result.drift()]
     assert live == [(1, "rss", "process")]  # the figure that really grew; the healthy rank: nothing
+    assert result.ok and result.exit_code == 0 and result.drift_unjudged == (None, False)
     assert result.drift()[0]["slope"] == pytest.approx(LEAK_BYTES, rel=0.15)
     d = replay(str(tmp_path / "traces"))
     assert [(k["rank"], k["kind"], k["tag"]) for k in d.leaks] == [(1, "rss", "process")] and d.exit_code == 3
