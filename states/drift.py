@@ -98,8 +98,14 @@ def torch_figures(torch: Any = None) -> tuple[dict[str, int], dict[str, int]]:
     dev = cuda.memory_stats_as_nested_dict()
     device = {f"torch:{name}": v for name in ("allocated", "reserved")
               if (v := _current(dev, f"{name}_bytes", "all")) is not None}  # fmt: skip
-    host_stats = getattr(cuda, "host_memory_stats_as_nested_dict", None)  # torch >= 2.7
-    pinned = _current(host_stats(), "allocated_bytes") if callable(host_stats) else None
+    nested = getattr(cuda, "host_memory_stats_as_nested_dict", None)
+    flat = getattr(cuda, "host_memory_stats", None)
+    pinned: int | None = None
+    if callable(nested):
+        pinned = _current(nested(), "allocated_bytes")
+    elif callable(flat):  # a torch with only the flat dict
+        value = flat().get("allocated_bytes.current")
+        pinned = value if isinstance(value, int) else None
     return device, ({} if pinned is None else {"torch:pinned": pinned})
 
 

@@ -16,10 +16,12 @@ from miles_fsm.states.drift import torch_figures
 MiB = 1 << 20
 
 
-def _torch(*, initialized=True, device=None, host=None, has_host=True):
+def _torch(*, initialized=True, device=None, host=None, has_host=True, flat_host=None):
     cuda = SimpleNamespace(is_initialized=lambda: initialized, memory_stats_as_nested_dict=lambda: device or {})
     if has_host:
         cuda.host_memory_stats_as_nested_dict = lambda: host or {}
+    if flat_host is not None:
+        cuda.host_memory_stats = lambda: flat_host
     return SimpleNamespace(cuda=cuda)
 
 
@@ -42,4 +44,6 @@ def test_missing_or_odd_stats_are_left_out():
     """An older torch without host stats, or keys it does not have, give no figure rather than a wrong one."""
     device = {"allocated_bytes": {"all": {"current": 5}}, "reserved_bytes": {"all": {}}}
     assert torch_figures(_torch(device=device, has_host=False)) == ({"torch:allocated": 5}, {})
+    flat = {"allocated_bytes.current": 7 * MiB, "active_bytes.current": 1}
+    assert torch_figures(_torch(device=device, has_host=False, flat_host=flat))[1] == {"torch:pinned": 7 * MiB}
     assert torch_figures(_torch(device={"allocated_bytes": "x"}, host={"allocated_bytes": {"current": 1.5}})) == ({}, {})
