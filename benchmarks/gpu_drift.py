@@ -1,23 +1,29 @@
-"""Memory drift on one GPU (issue 28): megatron + torch_memory_saver, no false positive, a real leak caught.
+"""Memory drift on one GPU (issues 28, 37): megatron + torch_memory_saver, no false positive, user leaks caught.
 
-One command on a CUDA host with megatron-core and torch-memory-saver:
+One command on a CUDA host with megatron-core and torch-memory-saver (``pytest -m gpu`` runs it through
+``tests/test_drift_gpu.py``):
 
-    NCCL_GRAPH_REGISTER=0 python benchmarks/gpu_drift.py --out /tmp/drift_h200
+    NCCL_GRAPH_REGISTER=0 python benchmarks/gpu_drift.py --out /tmp/drift_gpu
 
-writes ``drift_h200.json`` (and the traces) under ``--out``:
+writes ``drift_gpu.json`` (and the traces) under ``--out``:
 
-1. ``healthy``: per strategy, ``--cycles`` (10) cycles of the megatron driver
-   with torch_memory_saver and a train step each, under ``DriftConfig(policy="raise")``
-   with the default tolerance: any ``MemoryDriftError`` is a false positive
-   (recorded, exit 1). The snapshot's cost per transition is set beside the
-   transition's own time (the issue's bound: <= 1% of a data-moving one).
-2. ``leak``: the backup strategy again; from cycle 3 on the run keeps one more
-   pinned host buffer of ``--leak-mib`` alive per cycle, accounted under the
-   host tag ``leaked_pinned`` (and, being page-locked, in the RSS). The live
-   check (policy ``warn``) and replay of the traces must both name rank 0 and
-   the tag (exit 1 otherwise).
+1. ``healthy``: per strategy, ``--cycles`` (20) cycles of the megatron driver
+   with torch_memory_saver and a train step each, under ``DriftConfig(policy="raise")``,
+   the defaults otherwise: any finding is a false positive (exit 1). The
+   snapshot's cost per transition is set beside the transition's own time.
+2. ``leaks``: the backup strategy, ``--leak-cycles`` (12) cycles under the
+   default ``DriftConfig()`` (policy ``warn``); from cycle 3 on, after each train
+   step, the run keeps one more buffer in a plain list, as a user's code
+   would: no tag, no driver accounting.
+   - ``device``: a CUDA tensor of ``--device-leak-mib`` (128), written;
+   - ``pinned``: a ``pin_memory=True`` host tensor of ``--pinned-leak-mib`` (256), written.
 
-Progress is printed per cycle; a failed check exits 1 with what failed.
+   Each must be named within 4 cycles of its start by a figure that really
+   grew (``drift_checks.EXPECTED``: device in use / torch's allocated and
+   reserved; torch's pinned bytes / the RSS) and no other, its slope within
+   15% of the truth, live and in replay (which exits 3).
+
+Progress is printed per cycle; a failed check exits 1 with what failed (``failed`` in the JSON).
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-LEAK_TAG = "leaked_pinned"
+from drift_checks import check_healthy, check_leak
+
+MiB = 1 << 20
+LEAK_FROM = 3
 
 
 def _timed_commits(lc: Any) -> list[tuple[str, float, float]]:
@@ -62,8 +71,28 @@ def _cost(rows: list[tuple[str, float, float]]) -> dict[str, Any]:
     return out
 
 
-def _run(args: argparse.Namespace, state: dict[str, Any], saver: Any, strategy: str, trace_dir: Path,
-         policy: str, leak_from: int | None) -> dict[str, Any]:  # fmt: skip
+def named_in(caught: list[Any], cycle: int) -> list[dict[str, Any]]:
+    """The drift warnings among ``caught`` (other libraries' warnings are there too), as named at ``cycle``."""
+    from miles_fsm.states.drift import MemoryDriftWarning
+
+    return [{"rank": m.rank, "kind": m.finding.kind, "tag": m.finding.tag, "state": m.finding.state,
+             "named_at": cycle, "first_cycle": m.finding.first_cycle, "slope": m.finding.slope,
+             "grown": m.finding.grown} for m in (w.message for w in caught) if isinstance(m, MemoryDriftWarning)]  # fmt: skip
+
+
+def _leak_maker(kind: str | None, nbytes: int) -> Any:
+    """What a user's leak keeps per cycle: a written CUDA tensor, or a written pinned host tensor."""
+    import torch
+
+    if kind == "device":
+        return lambda: torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    if kind == "pinned":
+        return lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    return None
+
+
+def _run(state: dict[str, Any], saver: Any, strategy: str, trace_dir: Path, *, cycles: int, policy: str,
+         leak: str | None = None, leak_bytes: int = 0) -> dict[str, Any]:  # fmt: skip
     import torch
     from lifecycle.gpu import gpu_train_step
 
@@ -75,29 +104,25 @@ def _run(args: argparse.Namespace, state: dict[str, Any], saver: Any, strategy: 
     from miles_fsm.states.errors import MemoryDriftError
     from miles_fsm.states.lifecycle import Lifecycle
 
-    leaked: list[torch.Tensor] = []
-
-    class Leaky(MegatronTrainer):
-        def host_bytes_by_tag(self) -> dict[str, int]:
-            return {**super().host_bytes_by_tag(), LEAK_TAG: sum(t.numel() for t in leaked)}
-
+    kept: list[torch.Tensor] = []  # the user's leak: a plain list nobody reports
+    make = _leak_maker(leak, leak_bytes)
     config = MegatronDriverConfig.from_megatron(state["chunks"], state["optimizer"], strategy=strategy, ci=False,
                                                 verify_cycles=1, optimizer_offload="driver")  # fmt: skip
-    driver = Leaky(chunks=state["chunks"], optimizer=state["optimizer"], config=config, memory=saver,
-                   host=HostCopies(config=PinnedConfig()))  # fmt: skip
+    driver = MegatronTrainer(chunks=state["chunks"], optimizer=state["optimizer"], config=config, memory=saver,
+                             host=HostCopies(config=PinnedConfig()))  # fmt: skip
     lc = Lifecycle(trainer=driver, config=LifecycleConfig(guard=GuardConfig(timeout_s=600), verify=config.verify,
                                                           trace_dir=trace_dir, drift=DriftConfig(policy=policy)))  # fmt: skip
     rows = _timed_commits(lc)
-    out: dict[str, Any] = {"strategy": strategy, "policy": policy, "false_positive": None, "warnings": []}
+    out: dict[str, Any] = {"strategy": strategy, "policy": policy, "cycles": cycles, "cycles_done": 0,
+                           "leak": leak, "leak_bytes": leak_bytes, "false_positive": None, "warnings": []}  # fmt: skip
+    seen = 0  # of the warnings caught (other libraries' warnings among them)
     with lc, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", MemoryDriftWarning)
         lc.start()
-        for c in range(1, args.cycles + 1):
+        for c in range(1, cycles + 1):
             gpu_train_step(state, step=c)
-            if leak_from is not None and c >= leak_from:
-                buf = torch.empty(args.leak_mib << 20, dtype=torch.uint8, pin_memory=True)
-                buf.fill_(1)  # touched: page-locked and resident
-                leaked.append(buf)
+            if make is not None and c >= LEAK_FROM:
+                kept.append(make())
             try:
                 for name in ("offload", "pause", "rematerialize", "sync", "resume"):
                     lc.fire(name)
@@ -106,20 +131,39 @@ def _run(args: argparse.Namespace, state: dict[str, Any], saver: Any, strategy: 
                 print(f"  {strategy} cycle {c}: FALSE POSITIVE: {exc}", flush=True)
                 break
             torch.cuda.synchronize()
-            print(f"  {strategy} cycle {c}: ok ({len(leaked)} leaked buffers)", flush=True)
-    out["warnings"] = [{"rank": w.message.rank, "kind": w.message.finding.kind, "tag": w.message.finding.tag,
-                        "first_cycle": w.message.finding.first_cycle, "slope": w.message.finding.slope}
-                       for w in caught if isinstance(w.message, MemoryDriftWarning)]  # fmt: skip
+            out["cycles_done"] = c
+            new = named_in(caught[seen:], c)
+            seen = len(caught)
+            out["warnings"] += new
+            named = ", ".join(f"{w['kind']} {w['tag']} {w['slope'] / MiB:.1f} MiB/cycle" for w in new)
+            print(f"  {strategy} cycle {c}: ok ({len(kept)} kept){'; named ' + named if named else ''}", flush=True)
     out["cost"] = _cost(rows)
-    leaked.clear()
+    kept.clear()
+    torch.cuda.empty_cache()
     return out
+
+
+def replay_run(trace_dir: Path) -> dict[str, Any]:
+    """Replay's judgement of a run's traces, and rank 0's snapshots at TRAINING (the figures, cycle by cycle)."""
+    from miles_fsm.replay.report import replay
+
+    d = replay(str(trace_dir))
+    snaps = []
+    for line in (trace_dir / "rank-0.jsonl").read_text().splitlines():
+        rec = json.loads(line) if '"memory_snapshot"' in line else None
+        if rec is not None and rec.get("state") == "TRAINING":
+            snaps.append({k: rec.get(k) for k in ("epoch", "device", "host", "rss")})
+    return {"verdict": str(d.verdict), "exit_code": d.exit_code, "leaks": d.leaks, "notes": d.notes,
+            "training_snapshots": snaps}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="a folder: drift_h200.json and the traces go there")
-    p.add_argument("--cycles", type=int, default=10)
-    p.add_argument("--leak-mib", type=int, default=256, help="pinned MiB leaked per cycle in the leak run")
+    p.add_argument("--out", type=Path, required=True, help="a folder: drift_gpu.json and the traces go there")
+    p.add_argument("--cycles", type=int, default=20, help="healthy cycles per strategy")
+    p.add_argument("--leak-cycles", type=int, default=12, help="cycles of each leak run (the leak from cycle 3)")
+    p.add_argument("--device-leak-mib", type=int, default=128, help="CUDA MiB kept per cycle in the device leak run")
+    p.add_argument("--pinned-leak-mib", type=int, default=256, help="pinned MiB kept per cycle in the pinned run")
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
@@ -127,11 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=2)
     args = p.parse_args(argv)
-    # The leak run leaks from cycle 3, after DriftConfig's 2 warm-up cycles: it needs cycles past that to be seen.
-    if args.cycles < 5:
-        p.error(f"--cycles must be >= 5 (the leak starts at cycle 3, after 2 warm-up cycles), got {args.cycles}")
-    if args.leak_mib < 1:
-        p.error(f"--leak-mib must be >= 1, got {args.leak_mib}")
+    # A leak from cycle 3 is named by cycle 6 at the latest (2 warm-up cycles, the baseline, 3 rises).
+    if args.leak_cycles < LEAK_FROM + 3:
+        p.error(f"--leak-cycles must be >= {LEAK_FROM + 3} (the leak starts at cycle {LEAK_FROM}), got {args.leak_cycles}")
+    if args.cycles < 1 or args.device_leak_mib < 1 or args.pinned_leak_mib < 1:
+        p.error("--cycles, --device-leak-mib and --pinned-leak-mib must be >= 1")
     import torch
     import torch.distributed as dist
 
@@ -141,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     from lifecycle.gpu import _build_gpt
 
     from miles_fsm.drivers.tms import TmsConfig, TmsMemorySaver
-    from miles_fsm.replay.report import replay
 
     args.out.mkdir(parents=True, exist_ok=True)
     torch.cuda.set_device(0)
@@ -152,24 +195,24 @@ def main(argv: list[str] | None = None) -> int:
     saver = TmsMemorySaver(config=TmsConfig(hook_mode="torch"))
     print("building the GPT ...", flush=True)
     state = _build_gpt(args, saver)
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "params": state["params"], "healthy": {}}
-    failed = []
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "params": state["params"], "leak_from": LEAK_FROM, "healthy": {}, "leaks": {}}  # fmt: skip
+    failed: list[str] = []
     for strategy in ("rematerialize", "backup"):
         print(f"healthy run, {strategy}, {args.cycles} cycles, policy raise", flush=True)
-        r = result["healthy"][strategy] = _run(args, state, saver, strategy, args.out / f"healthy-{strategy}",
-                                               "raise", None)  # fmt: skip
-        if r["false_positive"] is not None:
-            failed.append(f"false positive under {strategy}: {r['false_positive']}")
-    print(f"leak run, backup, {args.cycles} cycles, {args.leak_mib} MiB pinned per cycle from cycle 3", flush=True)
-    leak = result["leak"] = _run(args, state, saver, "backup", args.out / "leak", "warn", 3)
-    d = replay(str(args.out / "leak"))
-    leak["replay"] = {"verdict": str(d.verdict), "exit_code": d.exit_code, "leaks": d.leaks}
-    if not any(w["rank"] == 0 and w["tag"] == LEAK_TAG for w in leak["warnings"]):
-        failed.append(f"the live check did not name rank 0 and {LEAK_TAG!r}: {leak['warnings']}")
-    if not any(k["rank"] == 0 and k["tag"] == LEAK_TAG for k in d.leaks):
-        failed.append(f"replay did not name rank 0 and {LEAK_TAG!r}: {d.leaks}")
+        r = result["healthy"][strategy] = _run(state, saver, strategy, args.out / f"healthy-{strategy}",
+                                               cycles=args.cycles, policy="raise")  # fmt: skip
+        r["replay"] = replay_run(args.out / f"healthy-{strategy}")
+        failed += check_healthy(r, strategy=strategy)
+    for kind, mib in (("device", args.device_leak_mib), ("pinned", args.pinned_leak_mib)):
+        print(f"{kind} leak run, backup, {args.leak_cycles} cycles, {mib} MiB per cycle from cycle {LEAK_FROM}, "
+              "untagged", flush=True)  # fmt: skip
+        r = result["leaks"][kind] = _run(state, saver, "backup", args.out / f"leak-{kind}", cycles=args.leak_cycles,
+                                         policy="warn", leak=kind, leak_bytes=mib * MiB)  # fmt: skip
+        r["replay"] = replay_run(args.out / f"leak-{kind}")
+        failed += check_leak(r, kind=kind, per_cycle=mib * MiB, start=LEAK_FROM)
     result["failed"] = failed
-    path = args.out / "drift_h200.json"
+    path = args.out / "drift_gpu.json"
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {path}")
     for f in failed:

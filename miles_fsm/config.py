@@ -119,8 +119,11 @@ class DriftConfig:
 
     At every state of every cycle the lifecycle records a memory snapshot
     (device bytes per tag, host bytes per tag, the process RSS). After
-    ``warmup_cycles`` cycles, a figure of one state that grows past its first
-    post-warm-up value by more than ``abs_bytes + rel * that value`` is drift.
+    ``warmup_cycles`` cycles, a figure of one state is drift when it rose in
+    each of the last ``sustain_cycles`` cycles and by ``abs_bytes`` or more
+    over its growth run, however large the figure; or when it stands more than
+    ``abs_bytes + rel * baseline`` above its first post-warm-up value
+    (``miles_fsm.drift_rule``).
     ``policy``: ``"warn"`` (a ``MemoryDriftWarning`` and a traced record),
     ``"raise"`` (``MemoryDriftError``) or ``"off"`` (snapshots only).
     """
@@ -128,6 +131,8 @@ class DriftConfig:
     warmup_cycles: int = 2
     abs_bytes: int = 64 << 20
     rel: float = 0.05
+    #: Consecutive cycles a figure must rise in before its growth is drift (its onset included).
+    sustain_cycles: int = 3
     policy: Literal["warn", "raise", "off"] = "warn"
     #: Snapshots are traced and kept; False turns the whole check off (nothing measured).
     enabled: bool = True
@@ -138,12 +143,23 @@ class DriftConfig:
             problems.append(f"warmup_cycles must be an int >= 0, got {self.warmup_cycles!r}")
         if not isinstance(self.abs_bytes, int) or isinstance(self.abs_bytes, bool) or self.abs_bytes < 0:
             problems.append(f"abs_bytes must be an int >= 0, got {self.abs_bytes!r}")
+        if not isinstance(self.sustain_cycles, int) or isinstance(self.sustain_cycles, bool) or self.sustain_cycles < 1:
+            problems.append(f"sustain_cycles must be an int >= 1, got {self.sustain_cycles!r}")
         if not isinstance(self.rel, (int, float)) or isinstance(self.rel, bool) or not 0 <= self.rel < 100:
             problems.append(f"rel must be a number in [0, 100) (a part of the baseline, 0.05 = 5%), got {self.rel!r}")
         if self.policy not in ("warn", "raise", "off"):
             problems.append(f"policy must be 'warn', 'raise' or 'off', got {self.policy!r}")
         if problems:
             raise ConfigError(problems, "DriftConfig")
+
+    def traced(self) -> dict[str, int | float | str]:
+        """What ``trace_opened`` records, so replay judges the run as the live check did."""
+        return {f: getattr(self, f) for f in ("warmup_cycles", "abs_bytes", "rel", "sustain_cycles", "policy")}
+
+    @property
+    def cycles_to_judge(self) -> int:
+        """The fewest cycles a run needs for sustained growth to be judged: warm-up, baseline, then the rises."""
+        return self.warmup_cycles + 1 + self.sustain_cycles
 
     def tolerance(self, baseline: int) -> float:
         """Bytes a figure may grow past ``baseline`` before it is drift."""

@@ -5,16 +5,19 @@ and replay (``miles_fsm.replay.leaks``), so both judge a run alike. A figure is
 keyed by the state it was taken at, its kind (``device``, ``host``, ``rss``) and
 its tag (``rss``'s is ``process``). Cycles up to ``DriftConfig.warmup_cycles``
 are not judged (allocator caches, pools and lazy buffers settle there); the
-first cycle after them is the baseline. A figure that then stands more than the
-tolerance above its baseline is drift, reported once per kind and tag.
+first cycle after them is the baseline. ``miles_fsm.drift_rule`` says when a
+figure's points are drift (sustained growth, or past the threshold); each kind
+and tag is reported once.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from miles_fsm.config import DriftConfig
+from miles_fsm.drift_rule import FIT_POINTS, judge, repeated_median_slope
 
 __all__ = ["KINDS", "DriftFinding", "DriftTracker", "figures_of"]
 
@@ -24,7 +27,11 @@ KINDS = ("device", "host", "rss")
 
 @dataclass(frozen=True, slots=True)
 class DriftFinding:
-    """One figure that grew: where, from when, and how fast (``slope``: least squares, bytes per cycle)."""
+    """One figure that grew: where, from when, and how fast (``slope``: repeated median, bytes per cycle).
+
+    ``baseline`` and ``grown``: the figure at its baseline, and its growth since; ``bytes_per_cycle``
+    and ``slope``: over the ``cycles`` points since its growth began (the run's start, or the baseline).
+    """
 
     kind: str
     tag: str
@@ -39,38 +46,21 @@ class DriftFinding:
 
 @dataclass(slots=True)
 class _Series:
-    """One figure over cycles; sums kept as Python ints, so the fit is exact at any length."""
+    """One figure at one state over cycles: its baseline and its last ``FIT_POINTS`` points."""
 
-    base_cycle: int
     baseline: int
-    last_cycle: int = 0
-    last: int = 0
-    first_cycle: int | None = None
-    n: int = 0
-    sx: int = 0
-    sy: int = 0
-    sxx: int = 0
-    sxy: int = 0
+    points: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=FIT_POINTS))
+    fit_from: int | None = None  # once found: the cycle its growth is fitted from
 
-    def add(self, cycle: int, value: int) -> None:
-        if cycle == self.last_cycle and self.n:  # a state seen twice in one cycle (a recovery): the later counts
-            self._sum(cycle, self.last, -1)
-        self._sum(cycle, value, 1)
-        self.last_cycle, self.last = cycle, value
-        if self.first_cycle is None and value > self.baseline:
-            self.first_cycle = cycle
-
-    def _sum(self, x: int, y: int, sign: int) -> None:
-        self.n += sign
-        self.sx += sign * x
-        self.sy += sign * y
-        self.sxx += sign * x * x
-        self.sxy += sign * x * y
-
-    @property
-    def slope(self) -> float:
-        den = self.n * self.sxx - self.sx * self.sx
-        return (self.n * self.sxy - self.sx * self.sy) / den if den else 0.0
+    def add(self, cycle: int, value: int) -> bool:
+        """Take the figure at ``cycle``; False (and nothing kept) for a cycle older than the last one."""
+        if self.points and cycle < self.points[-1][0]:  # a damaged or hostile trace: cycles never go back
+            return False
+        # A state seen twice in one cycle (a recovery): the later counts.
+        if self.points and self.points[-1][0] == cycle:
+            self.points.pop()
+        self.points.append((cycle, value))
+        return True
 
 
 class DriftTracker:
@@ -80,9 +70,17 @@ class DriftTracker:
         self.config = config or DriftConfig()
         self._series: dict[tuple[str, str, str], _Series] = {}
         self._found: dict[tuple[str, str], tuple[str, str, str]] = {}
+        #: The last cycle seen (warm-up included): how far the run got, for ``judged``.
+        self.last_cycle = 0
+
+    @property
+    def judged(self) -> bool:
+        """Whether the run got far enough for sustained growth to be judged (``DriftConfig.cycles_to_judge``)."""
+        return self.last_cycle >= self.config.cycles_to_judge
 
     def add(self, cycle: int, state: str, figures: Iterable[tuple[str, str, int]]) -> list[DriftFinding]:
         """Take one snapshot: ``figures`` are (kind, tag, bytes). Returns the drift newly found in it."""
+        self.last_cycle = max(self.last_cycle, cycle)
         if cycle <= self.config.warmup_cycles:
             return []
         found = []
@@ -90,26 +88,31 @@ class DriftTracker:
             key = (state, kind, tag)
             series = self._series.get(key)
             if series is None:
-                self._series[key] = series = _Series(base_cycle=cycle, baseline=value)
-            series.add(cycle, value)
-            if (kind, tag) in self._found or value - series.baseline <= self.config.tolerance(series.baseline):
+                self._series[key] = series = _Series(baseline=value)
+            if not series.add(cycle, value) or (kind, tag) in self._found:
                 continue
+            judgement = judge(series.points, series.baseline, self.config)
+            if judgement is None:
+                continue
+            series.fit_from = series.points[judgement.start][0]
             self._found[(kind, tag)] = key
             found.append(self._finding(key, series))
         return found
 
     def findings(self) -> list[DriftFinding]:
-        """Every drift found so far, its slope fitted over all cycles seen since its baseline."""
+        """Every drift found so far, its slope refitted over every cycle since its growth began."""
         return [self._finding(key, self._series[key]) for key in self._found.values()]
 
     @staticmethod
     def _finding(key: tuple[str, str, str], s: _Series) -> DriftFinding:
         state, kind, tag = key
-        grown = s.last - s.baseline
-        span = s.last_cycle - s.base_cycle
-        return DriftFinding(kind=kind, tag=tag, state=state, first_cycle=s.first_cycle or s.last_cycle,
-                            baseline=s.baseline, grown=grown, bytes_per_cycle=grown // span if span else grown,
-                            slope=s.slope, cycles=s.n)  # fmt: skip
+        fit = [p for p in s.points if p[0] >= (s.fit_from or 0)]
+        (c0, y0), (c1, y1) = fit[0], fit[-1]
+        first = next((c for c, y in fit if y > y0), c1)  # the growth's first cycle: the first above the fit's start
+        span = c1 - c0
+        return DriftFinding(kind=kind, tag=tag, state=state, first_cycle=first, baseline=s.baseline,
+                            grown=y1 - s.baseline, bytes_per_cycle=(y1 - y0) // span if span else y1 - y0,
+                            slope=repeated_median_slope(fit), cycles=len(fit))  # fmt: skip
 
 
 def figures_of(device: Mapping[str, int] | None, host: Mapping[str, int] | None,

@@ -1,17 +1,21 @@
 """The live memory drift check: a snapshot at every state the lifecycle reaches, judged cycle by cycle.
 
-A snapshot is three cheap reads (no walk of tensors): the device bytes per
+A snapshot is a few cheap reads (no walk of tensors): the device bytes per
 tag (``TaggedMemory.device_bytes_by_tag`` where a driver's memory saver can
 tell, else the trainer's ``memory_in_use()`` under the tag ``total``), the
-host bytes per tag (``host_bytes_by_tag``: backups, pinned copies), and the
-process RSS (``/proc/self/statm``). Engine tags are prefixed ``engine:``. Each
-snapshot is traced as ``memory_snapshot``; ``miles_fsm.memory_drift`` judges
-it (docs/memory-drift.md).
+host bytes per tag (``host_bytes_by_tag``: backups, pinned copies), the
+process RSS (``/proc/self/statm``), and, once this process has initialized
+CUDA, torch's own counters (``torch_figures``): the caching allocator's
+allocated and reserved bytes and the pinned host allocator's bytes, which
+see memory a user keeps that no driver accounts for. Engine tags are prefixed
+``engine:``, torch's ``torch:``. Each snapshot is traced as
+``memory_snapshot``; ``miles_fsm.memory_drift`` judges it (docs/memory-drift.md).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -23,7 +27,7 @@ from miles_fsm.states.errors import MemoryDriftError
 from miles_fsm.trace.schema import MEMORY_DRIFT, MEMORY_SNAPSHOT
 from miles_fsm.trace.writer import TraceSink
 
-__all__ = ["DriftMonitor", "MemoryDriftWarning", "TaggedMemory", "process_rss"]
+__all__ = ["DriftMonitor", "MemoryDriftWarning", "TaggedMemory", "process_rss", "torch_figures"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -69,6 +73,42 @@ def process_rss() -> int | None:
         return None
 
 
+def _current(stats: Any, *path: str) -> int | None:
+    """``stats[path...]["current"]`` of torch's nested allocator stats, or None where a key is missing."""
+    for key in (*path, "current"):
+        if not isinstance(stats, Mapping) or key not in stats:
+            return None
+        stats = stats[key]
+    return int(stats) if isinstance(stats, int) else None
+
+
+def torch_figures(torch: Any = None) -> tuple[dict[str, int], dict[str, int]]:
+    """This process's CUDA allocator counters: (device, host) per tag; empty where CUDA was never initialized.
+
+    Device: ``torch:allocated`` and ``torch:reserved`` of the current device's
+    caching allocator (what tensors hold, and what the cache keeps). Host:
+    ``torch:pinned``, the bytes of pinned blocks torch's host allocator owns
+    (``pin_memory=True``, ``.pin_memory()``; cached blocks included). Torch is
+    never imported here, nor CUDA initialized: a CPU process reads nothing.
+    """
+    torch = torch if torch is not None else sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not cuda.is_initialized():
+        return {}, {}
+    dev = cuda.memory_stats_as_nested_dict()
+    device = {f"torch:{name}": v for name in ("allocated", "reserved")
+              if (v := _current(dev, f"{name}_bytes", "all")) is not None}  # fmt: skip
+    nested = getattr(cuda, "host_memory_stats_as_nested_dict", None)
+    flat = getattr(cuda, "host_memory_stats", None)
+    pinned: int | None = None
+    if callable(nested):
+        pinned = _current(nested(), "allocated_bytes")
+    elif callable(flat):  # a torch with only the flat dict
+        value = flat().get("allocated_bytes.current")
+        pinned = value if isinstance(value, int) else None
+    return device, ({} if pinned is None else {"torch:pinned": pinned})
+
+
 class DriftMonitor:
     """One rank's snapshots and their judgement; ``observe`` is the machine's ``on_commit``."""
 
@@ -93,6 +133,9 @@ class DriftMonitor:
         if self._engine is not None:
             device.update({f"engine:{k}": v for k, v in self._engine.device_bytes_by_tag().items()})
             host.update({f"engine:{k}": v for k, v in self._engine.host_bytes_by_tag().items()})
+        torch_device, torch_host = torch_figures()
+        device.update(torch_device)
+        host.update(torch_host)
         return device, host, process_rss()
 
     def observe(self, result: TransitionResult) -> list[DriftFinding]:

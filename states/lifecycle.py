@@ -166,7 +166,7 @@ class Lifecycle:
             "strategy": strategy.value,
             "guard_timeout_s": timeout_s,
             "lifecycle": self._config.name,
-            "drift": {f: getattr(self._config.drift, f) for f in ("warmup_cycles", "abs_bytes", "rel", "policy")},
+            "drift": self._config.drift.traced(),
             "machine": DEFINITION.describe(steps=lambda t: [str(s) for s in self._steps(t, strategy)]),
             **extra,
         }

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_fsm.apps.demo.events import DEMO_FAILED, DEMO_STEP
-from miles_fsm.apps.demo.faults import LEAK_BYTES, demo_trainer_cls, hang_forever
+from miles_fsm.apps.demo.faults import demo_trainer_cls, hang_forever
 from miles_fsm.apps.demo.locate import locate, publish_pid
 from miles_fsm.apps.demo.timing import PhaseTimer
 from miles_fsm.errors import describe
@@ -87,7 +87,7 @@ class _DemoRank:
             config=LifecycleConfig(
                 guard=GuardConfig(timeout_s=kw["guard_timeout_s"]),
                 verify=VerifyConfig(cycles=None, audit=kw.get("audit", True)),
-                drift=DriftConfig(abs_bytes=LEAK_BYTES // 2),
+                drift=DriftConfig(),  # the defaults a user gets: the demo's leak is judged as theirs would be
                 trace_dir=Path(kw["trace_dir"]),
                 run_id=kw["run_id"],
             ),
@@ -108,7 +108,8 @@ class _DemoRank:
                     raise located from exc
                 raise
         return {"rows": self.timed.rows, "verified": self.verified, "held": self.held,
-                "weights": len(trainer.weights()), "drift": [asdict(f) for f in lc.drift.tracker.findings()]}  # fmt: skip
+                "weights": len(trainer.weights()), "drift": [asdict(f) for f in lc.drift.tracker.findings()],
+                "drift_judged": lc.drift.tracker.judged}  # fmt: skip
 
     def _step(self, step: int) -> None:
         """One RL step, from TRAINING round the cycle and a guarded train step."""

@@ -53,8 +53,20 @@ class DemoResult:
         )
 
     @property
+    def drift_unjudged(self) -> tuple[str | None, bool]:
+        """(why this run was too short to judge memory drift, or None; whether that hid an injected leak).
+
+        A leak the live check named anyway (past the threshold early) was judged.
+        """
+        from miles_fsm.apps.demo.faults import drift_unjudged
+
+        note, leak = drift_unjudged(self.config.steps, self.config.injections)
+        return (None, False) if leak and self.drift() else (note, leak)
+
+    @property
     def exit_code(self) -> int:
-        return 0 if self.ok else 1
+        """1 when the run failed, or an injected leak went unjudged (the run was too short to show it)."""
+        return 0 if self.ok and not self.drift_unjudged[1] else 1
 
     def rows(self) -> list[dict[str, Any]]:
         return [row for o in self.outcomes if o.ok for row in o.result["rows"]]
@@ -197,6 +209,9 @@ def print_result(result: DemoResult, out: Any) -> None:
             out.print(f"memory drift (live check): rank {f['rank']}: {f['kind']} memory under {f['tag']!r} grows "
                       f"{_human(f['bytes_per_cycle'])}/cycle from cycle {f['first_cycle']} (at {f['state']})",
                       markup=False)  # fmt: skip
+        note, leak = result.drift_unjudged
+        if note is not None:
+            out.print(f"{'FAILED' if leak else 'NOTE'}: {note}", markup=False)
     else:
         out.print(f"FAILED after {result.wall_s:.1f} s; {result.diagnosis}", markup=False)
     out.print(f"traces: {c.trace_dir}  (miles-fsm replay {c.trace_dir})", markup=False)

@@ -9,7 +9,7 @@ import os
 import signal
 from typing import Any
 
-from miles_fsm.apps.demo.faults import DIVERGE_PARAM, LEAK_BYTES, LEAK_TAG, hang_forever
+from miles_fsm.apps.demo.faults import DIVERGE_PARAM, LEAK_BYTES, hang_forever
 from miles_fsm.drivers.reference.trainer import ReferenceTrainer
 from miles_fsm.plan import Collective, TensorSet
 from miles_fsm.states import StepKind, Strategy
@@ -23,7 +23,7 @@ class DemoTrainer(ReferenceTrainer):
     armed: str | None = None
     stray: Any = None  # the undeclared collective's work, waited for in the next train step
     side_group: Any = None  # made on every rank when an ``undeclared`` fault is injected
-    leaked: list[Any] | None = None  # a ``leak`` rank's kept buffers, from its armed step on
+    leaked: list[Any] | None = None  # a ``leak`` rank's kept buffers, from its armed step on: no driver counts them
 
     @property
     def _believed_frozen(self) -> int:
@@ -58,20 +58,15 @@ class DemoTrainer(ReferenceTrainer):
             self.flip_master_bit()
         return super().cast_main_to_params()
 
-    def host_bytes_by_tag(self) -> dict[str, int]:
-        held = super().host_bytes_by_tag()
-        if self.leaked is not None:
-            held[LEAK_TAG] = sum(t.numel() * t.element_size() for t in self.leaked)
-        return held
-
     def train_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.armed == "stall":
             hang_forever()
         if self.armed == "leak" or self.leaked is not None:
             import torch
 
-            self.leaked = [*(self.leaked or ()), torch.empty(LEAK_BYTES, dtype=torch.uint8,
-                                                             pin_memory=torch.cuda.is_available())]  # fmt: skip
+            kept = torch.empty(LEAK_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            kept.fill_(1)  # written: its pages are resident, as a real buffer's are
+            self.leaked = [*(self.leaked or ()), kept]
         if self.stray is not None:  # an overlapped collective, waited for where its result is used
             self.stray.wait()
         return super().train_step(*args, **kwargs)

@@ -377,14 +377,15 @@ class MegatronTrainer:
         return int(resident()) if callable(resident) else None
 
     def device_bytes_by_tag(self) -> dict[str, int]:
-        """The drift snapshot's device figures (states/drift.py): the device in use, and this process's allocator."""
+        """The drift snapshot's device figure (states/drift.py): the device in use (the snapshot adds torch's own)."""
         in_use = self.memory_in_use()
-        out = {"in_use": in_use} if in_use is not None else {}
-        return {**out, "allocator": torch.cuda.memory_allocated()} if torch.cuda.is_available() else out
+        return {"in_use": in_use} if in_use is not None else {}
 
     def host_bytes_by_tag(self) -> dict[str, int]:
-        """Host bytes each host copy's buffer occupies (pinned where configured), per tag; the optimizer's under its key."""
-        return {key: self._host.reserved_bytes(key) for key in self._host.keys()}
+        """Host bytes of each host copy's buffer (pinned where configured), per tag, and of the saver's own backups."""
+        out = {key: self._host.reserved_bytes(key) for key in self._host.keys()}
+        backups = getattr(self._memory, "host_bytes", None)  # torch_memory_saver's CPU backups, per its ledger
+        return {**out, "saver_backups": int(backups())} if callable(backups) else out
 
     # ------------------------------------------------------------ engine push
 

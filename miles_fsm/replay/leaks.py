@@ -22,7 +22,7 @@ from miles_fsm.memory_drift import DriftTracker, figures_of
 from miles_fsm.replay.shapes import Leak
 from miles_fsm.trace.schema import MEMORY_SNAPSHOT, TRACE_OPENED
 
-__all__ = ["MemorySeries", "find_leaks", "leak_lines", "leak_note", "memory_series", "read_memory"]
+__all__ = ["MemorySeries", "find_leaks", "leak_lines", "leak_note", "memory_series", "read_memory", "unjudged_note"]
 
 _MARKS = (MEMORY_SNAPSHOT.encode(), TRACE_OPENED.encode())
 
@@ -79,6 +79,19 @@ def find_leaks(series: list[MemorySeries]) -> list[Leak]:
                        bytes_per_cycle=f.bytes_per_cycle, slope=f.slope, grown=f.grown, baseline=f.baseline,
                        cycles=f.cycles) for f in tracker.findings()]  # fmt: skip
     return leaks
+
+
+def unjudged_note(series: list[MemorySeries]) -> str | None:
+    """The note a run too short to judge drift gets: its cycles against what its ``DriftConfig`` needs; else None."""
+    short = [(s.rank, max(e for _, e, *_ in s.snapshots), s.config) for s in series if s.snapshots]
+    short = [(rank, last, config) for rank, last, config in short if last < config.cycles_to_judge]
+    if not short:
+        return None
+    ranks = ", ".join(str(rank) for rank, _, _ in short)
+    last, config = max(last for _, last, _ in short), short[0][2]
+    return (f"memory drift not judged on rank(s) {ranks}: the trace holds {last} cycle(s); sustained growth is judged "
+            f"from cycle {config.cycles_to_judge} ({config.warmup_cycles} warm-up, a baseline, "
+            f"{config.sustain_cycles} rises): a leak in this run could go unseen")  # fmt: skip
 
 
 def _config(raw: Any) -> DriftConfig:

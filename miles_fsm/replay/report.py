@@ -23,7 +23,7 @@ from miles_fsm.replay.diagnose import Diagnosis, Verdict, diagnose, rank_ranges
 from miles_fsm.replay.evidence import first_line
 from miles_fsm.replay.files import rank_files
 from miles_fsm.replay.fr_align import FrReport, explain
-from miles_fsm.replay.leaks import find_leaks, leak_lines, leak_note, memory_series
+from miles_fsm.replay.leaks import find_leaks, leak_lines, leak_note, memory_series, unjudged_note
 from miles_fsm.replay.model import EpochRange, TraceDirError
 from miles_fsm.replay.perfetto import check_output
 from miles_fsm.replay.read import read_ranks
@@ -81,9 +81,12 @@ def replay(
         raise TraceDirError(trace_dir, f"--epoch {epochs} selects nothing: its traces hold epochs 0-{last}")
     diagnosis = diagnose(traces, expected=wanted, straggler_ratio=straggler_ratio, run=chosen.run,
                          ignored=chosen.ignored, warnings=chosen.warnings, misnamed=found.misnamed)  # fmt: skip
-    leaks = find_leaks(memory_series(files, run=chosen.run))
+    memory = memory_series(files, run=chosen.run)
+    leaks = find_leaks(memory)
     if leaks:  # beside the verdict: the verdict set is fixed, a leak is a finding of its own (exit 3)
         diagnosis = dataclasses.replace(diagnosis, leaks=leaks, notes=[*diagnosis.notes, leak_note(leaks)])
+    elif (unjudged := unjudged_note(memory)) is not None:  # a run too short to judge says so
+        diagnosis = dataclasses.replace(diagnosis, notes=[*diagnosis.notes, unjudged])
     report = explain(files, flight_recorder, run=chosen.run, prefix=fr_prefix)
     if perfetto is not None:
         from miles_fsm.replay.perfetto import export_perfetto
