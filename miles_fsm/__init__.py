@@ -37,6 +37,7 @@ _EXPORTS = {
     "TrainerDriver": "miles_fsm.states.protocols",
     "EngineDriver": "miles_fsm.states.protocols",
     "VersionedTrainer": "miles_fsm.states.protocols",
+    "RematerializingTrainer": "miles_fsm.states.protocols",
     "StepReport": "miles_fsm.states.protocols",
     "ReferenceTrainer": "miles_fsm.drivers.reference.trainer",
     "ReferenceEngine": "miles_fsm.drivers.reference.engine",
@@ -87,6 +88,7 @@ __all__ = [
     "RankOutcome",
     "RankStoppedError",
     "RecoveryError",
+    "RematerializingTrainer",
     "ReferenceEngine",
     "ReferenceTrainer",
     "RolloutWindow",
@@ -136,6 +138,12 @@ if TYPE_CHECKING:
     from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow
     from miles_fsm.states.errors import DriverProtocolError, RecoveryError, VerificationError
     from miles_fsm.states.lifecycle import Lifecycle, Snapshot
-    from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver, VersionedTrainer
+    from miles_fsm.states.protocols import (
+        EngineDriver,
+        RematerializingTrainer,
+        StepReport,
+        TrainerDriver,
+        VersionedTrainer,
+    )
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -252,3 +252,38 @@ def test_the_trainer_protocol_requires_only_what_the_lifecycle_calls():
         for t in ("offload", "pause", "rematerialize", "sync", "resume"):
             lc.fire(t)
     assert lc.state is State.TRAINING and lc.epoch == 2
+
+
+def _without(cls: type, *members: str) -> type:
+    return type(f"Lean{cls.__name__}", (), {k: v for k, v in vars(cls).items() if k not in members})
+
+
+def test_a_backup_trainer_needs_no_rematerialize_only_methods():
+    """A BACKUP trainer without ``cast_main_to_params`` and ``param_sync`` (BACKUP never calls them) is accepted
+    and runs full cycles; the protocol that declares them is ``RematerializingTrainer``, not ``TrainerDriver``."""
+    from toy import ToyEngine, ToyTrainer
+
+    from miles_fsm import Lifecycle, RematerializingTrainer, State, Strategy, TrainerDriver
+
+    assert not {"cast_main_to_params", "param_sync"} & set(dir(TrainerDriver))
+    assert {"cast_main_to_params", "param_sync"} <= set(dir(RematerializingTrainer))
+    lean = _without(ToyTrainer, "cast_main_to_params", "param_sync")
+    lc = Lifecycle(trainer=lean(strategy=Strategy.BACKUP), engine=ToyEngine())
+    lc.start()
+    for _ in range(2):
+        for t in ("offload", "pause", "rematerialize", "sync", "resume"):
+            lc.fire(t)
+    assert lc.state is State.TRAINING and lc.epoch == 2
+
+
+def test_a_rematerialize_trainer_without_its_two_methods_is_refused_by_name():
+    """The same trainer under REMATERIALIZE is refused at construction, naming both methods and the protocol."""
+    from toy import ToyEngine, ToyTrainer
+
+    from miles_fsm import DriverProtocolError, Lifecycle, Strategy
+
+    lean = _without(ToyTrainer, "cast_main_to_params", "param_sync")
+    with pytest.raises(DriverProtocolError) as caught:
+        Lifecycle(trainer=lean(strategy=Strategy.REMATERIALIZE), engine=ToyEngine())
+    assert caught.value.missing == ("cast_main_to_params", "param_sync")
+    assert caught.value.protocol == "RematerializingTrainer"
