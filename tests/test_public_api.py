@@ -287,3 +287,67 @@ def test_a_rematerialize_trainer_without_its_two_methods_is_refused_by_name():
         Lifecycle(trainer=lean(strategy=Strategy.REMATERIALIZE), engine=ToyEngine())
     assert caught.value.missing == ("cast_main_to_params", "param_sync")
     assert caught.value.protocol == "RematerializingTrainer"
+
+
+#: Public annotations that say ``Any`` because no narrower type exists, each with why. Anything else that
+#: shows ``Any`` in a public signature names a type that exists (issue 37: ``AsyncLifecycle(lifecycle: Any)``).
+ANY_ALLOWED = {
+    "miles_fsm.definition.Transition.__init__ steps": "the owner's own step objects, opaque to the engine",
+    "miles_fsm.errors.base.plain value": "any fact of an error: it makes each JSON-ready",
+    "miles_fsm.errors.base.plain return": "a JSON value",
+    "miles_fsm.errors.crossing.crosses value": "any object: whether it survives a pickle round trip",
+    "miles_fsm.launch.local.RankContext.__init__ _on_stop": "callbacks that take the stop's exception",
+    "miles_fsm.launch.local.RankOutcome.__init__ result": "what the user's rank function returned",
+    "miles_fsm.launch.ray_actors.RayOutcome.__init__ result": "what the user's rank function returned",
+    "miles_fsm.launch.local.run_ranks fn": "the user's rank function returns anything",
+    "miles_fsm.launch.ray_actors.run_ranks_ray fn": "the user's rank function returns anything",
+    "miles_fsm.launch.torchrun.run_under_torchrun fn": "the user's rank function returns anything",
+    "miles_fsm.launch.torchrun.run_under_torchrun return": "what the user's rank function returned",
+    "miles_fsm.replay.model.RankTrace.__init__ guard_table": "rows of a trace's guard records, JSON values",
+}  # fmt: skip
+
+#: JSON objects (trace records, configs read back) and keyword arguments passed through hold any value.
+_JSON_ANY = re.compile(r"^(dict|Mapping)\[str, Any\]( \| None)?$|^(Sequence|tuple|list)\[(dict|Mapping)\[str, Any\]")
+
+
+def _public_modules() -> list[str]:
+    import tomllib
+
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    return [n for n in listed if not n.startswith("miles_fsm.apps")] + ["miles_fsm.errors", "miles_fsm.config",
+                                                                         "miles_fsm.plan"]  # fmt: skip
+
+
+def _public_callables() -> dict[str, object]:
+    """Every public function, class ``__init__``, method and property of every public module, by the path that
+    defines it (a name several packages export is looked at once)."""
+    out: dict[str, object] = {}
+    for module in _public_modules():
+        mod = importlib.import_module(module)
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            members = [(None, obj)] if inspect.isfunction(obj) else []
+            if inspect.isclass(obj):
+                members = [(k, v) for k, v in vars(obj).items() if not k.startswith("_") or k == "__init__"]
+            for member, value in members:
+                fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+                if not callable(fn) or not hasattr(fn, "__annotations__"):
+                    continue
+                out.setdefault(f"{fn.__module__}.{fn.__qualname__}", fn)
+    return out
+
+
+def test_no_public_signature_shows_any_where_a_type_exists():
+    """A public function's, method's or property's annotations say ``Any`` only for what has no narrower type:
+    keyword arguments passed through, JSON values, and the few cases named in ``ANY_ALLOWED`` with why."""
+    found = []
+    for path, fn in _public_callables().items():
+        params = inspect.signature(fn).parameters if not isinstance(fn, type) else {}
+        for name, annotation in fn.__annotations__.items():
+            text = str(annotation)
+            if not re.search(r"\bAny\b", text) or f"{path} {name}" in ANY_ALLOWED or _JSON_ANY.search(text):
+                continue
+            if name in params and params[name].kind is inspect.Parameter.VAR_KEYWORD:
+                continue
+            found.append(f"{path} {name}: {text}")
+    assert not found, "public signatures that show Any where a type exists:\n" + "\n".join(found)

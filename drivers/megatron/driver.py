@@ -54,7 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -74,6 +74,10 @@ from miles_fsm.errors import ConfigError, MemoryReleasedError
 from miles_fsm.plan import Collective, TensorSet
 from miles_fsm.states import Step, StepKind, Strategy
 from miles_fsm.states.protocols import StepReport
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
 
 __all__ = ["ACTOR", "NON_ACTOR_TAGS", "OPTIMIZER_KEY", "MegatronTrainer", "PauseResume", "coalesce_optimizer_state",
            "ddp_buffers_in_tags"]  # fmt: skip
@@ -101,8 +105,8 @@ class MegatronTrainer:
     def __init__(
         self,
         *,
-        chunks: Sequence[Any],
-        optimizer: Any,
+        chunks: Sequence[DistributedDataParallel],
+        optimizer: MegatronOptimizer,
         config: MegatronDriverConfig | None = None,
         memory: PauseResume | None = None,
         convert: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None,
@@ -145,11 +149,11 @@ class MegatronTrainer:
         return self._config.effective_strategy
 
     @property
-    def chunks(self) -> tuple[Any, ...]:
+    def chunks(self) -> tuple[DistributedDataParallel, ...]:
         return self._chunks
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> MegatronOptimizer:
         """The (chained) optimizer the driver was built with."""
         return self._optimizer
 
@@ -159,7 +163,7 @@ class MegatronTrainer:
         return self._eligibility
 
     @property
-    def inner_optimizers(self) -> tuple[Any, ...]:
+    def inner_optimizers(self) -> tuple[MegatronOptimizer, ...]:
         return self._inner
 
     def _prefix(self, i: int) -> str:

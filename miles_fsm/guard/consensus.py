@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import torch
@@ -60,16 +60,18 @@ class Guard:
         *,
         rank: int,
         world: int,
-        group: Any,
-        store: Any,
+        group: dist.ProcessGroup | None,
+        store: dist.Store | None,
         timeout_s: float,
         name: str | None = None,
     ) -> None:
         self.rank = rank
         self.world = world
         self.timeout_s = timeout_s
-        self._group = group
-        self._store = store
+        # Typed loosely inside: both are set whenever world > 1 (the only case that uses them), and
+        # torch's Store stubs take str values where the C++ store takes the bytes this guard writes.
+        self._group: Any = group
+        self._store: Any = store
         self._buf = torch.zeros(2, dtype=torch.int64)
         self._view = self._buf.numpy()  # element access through numpy costs ~0.1 us, torch's ~2 us
         # Its store keys follow from what every rank of its group shares (its global ranks, the
@@ -95,7 +97,9 @@ class Guard:
         return cls(rank=0, world=1, group=None, store=None, timeout_s=0.0)
 
     @classmethod
-    def from_default_group(cls, *, timeout_s: float, store: Any | None = None, name: str | None = None) -> Guard:
+    def from_default_group(
+        cls, *, timeout_s: float, store: dist.Store | None = None, name: str | None = None
+    ) -> Guard:
         """Build a guard over the default process group. Collective: every rank calls it.
 
         The guard gets its own gloo group, so it never queues behind (or
@@ -105,7 +109,12 @@ class Guard:
 
     @classmethod
     def from_group(
-        cls, group: Any = None, *, timeout_s: float, store: Any | None = None, name: str | None = None
+        cls,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout_s: float,
+        store: dist.Store | None = None,
+        name: str | None = None,
     ) -> Guard:
         """Build a guard over ``group`` (None: the default group). Collective over the group's ranks.
 
@@ -138,9 +147,9 @@ class Guard:
         return self.world > 1
 
     @property
-    def group(self) -> Any:
+    def group(self) -> dist.ProcessGroup | None:
         """The gloo process group the guard's collectives run on (None: world size 1)."""
-        return self._group
+        return cast("dist.ProcessGroup | None", self._group)
 
     def close(self) -> None:
         """Stop the thread that publishes this rank's arrivals, and join it. Idempotent.
