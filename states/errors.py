@@ -119,6 +119,15 @@ class StructureVersionError(MilesFsmError, RuntimeError):
 class DriverProtocolError(MilesFsmError, TypeError):
     """A driver handed to the lifecycle lacks members of its protocol."""
 
+    #: Which driver: ``trainer`` or ``engine``.
+    role: str
+    #: The driver's class, by its qualified name.
+    driver: str
+    #: The protocol's members it lacks, sorted.
+    missing: tuple[str, ...]
+    #: The protocol it was held to (``TrainerDriver``, ``RematerializingTrainer``, ``EngineDriver``).
+    protocol: str
+
     def __init__(self, *, role: str, driver: str, missing: Sequence[str], protocol: str) -> None:
         self.role = role
         self.driver = driver

@@ -241,8 +241,9 @@ def test_no_errors_module_is_over_400_lines():
 
 def test_the_trainer_protocol_requires_only_what_the_lifecycle_calls():
     """A trainer without ``copy`` and ``get`` (the lifecycle never calls them) is accepted and runs full cycles."""
-    from miles_fsm import Lifecycle, State, TrainerDriver
     from toy import ToyEngine, ToyTrainer
+
+    from miles_fsm import Lifecycle, State, TrainerDriver
 
     assert not {"copy", "get"} & set(dir(TrainerDriver))
     lean = type("LeanTrainer", (), {k: v for k, v in vars(ToyTrainer).items() if k not in ("copy", "get")})
@@ -326,10 +327,10 @@ def _public_callables() -> dict[str, object]:
         mod = importlib.import_module(module)
         for name in mod.__all__:
             obj = getattr(mod, name)
-            members = [(None, obj)] if inspect.isfunction(obj) else []
+            members = [obj] if inspect.isfunction(obj) else []
             if inspect.isclass(obj):
-                members = [(k, v) for k, v in vars(obj).items() if not k.startswith("_") or k == "__init__"]
-            for member, value in members:
+                members = [v for k, v in vars(obj).items() if not k.startswith("_") or k == "__init__"]
+            for value in members:
                 fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
                 if not callable(fn) or not hasattr(fn, "__annotations__"):
                     continue

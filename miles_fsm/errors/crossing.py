@@ -21,17 +21,23 @@ class RankRaisedError(MilesFsmError, RuntimeError):
     but cannot be unpickled); this stand-in crosses instead, with the type name, message and traceback
     text of the original, and why the original could not cross. It round-trips through pickle itself."""
 
+    #: The rank that raised the original exception.
+    rank: int
+    #: The original exception's type, by its qualified name (``OSError``, ``MyError``).
+    type_name: str
+    #: The original exception's message (``str()`` of it).
+    message: str
+    #: The original's traceback, formatted as Python prints it.
+    traceback_text: str
+    #: Why the original could not cross: which half of the pickle round trip failed, and its error.
+    why: str
+
     def __init__(self, *, rank: int, type_name: str, message: str, traceback_text: str,
                  why: str = "it does not pickle") -> None:  # fmt: skip
-        #: The rank that raised the original exception.
         self.rank = rank
-        #: The original exception's type, by its qualified name (``OSError``, ``MyError``).
         self.type_name = type_name
-        #: The original exception's message (``str()`` of it).
         self.message = message
-        #: The original's traceback, formatted as Python prints it.
         self.traceback_text = traceback_text
-        #: Why the original could not cross: which half of the pickle round trip failed, and its error.
         self.why = why
         super().__init__(
             f"rank {rank} raised {type_name}: {message} (the exception itself could not be sent to the "
