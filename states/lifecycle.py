@@ -24,6 +24,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 from miles_fsm.config import LifecycleConfig
 from miles_fsm.errors import PeerNeverJoinedError, describe
 from miles_fsm.guard.consensus import Guard
@@ -40,8 +42,6 @@ from miles_fsm.trace.schema import GUARD_FAILED, RECOVERED, STORE_UNREACHABLE, T
 from miles_fsm.trace.writer import NullTracer, Tracer, TraceSink, new_run_id
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from miles_fsm.definition import Definition, Transition
     from miles_fsm.plan import Collective, Intent
 
@@ -149,11 +149,9 @@ class Lifecycle:
         return self._tracer(strategy, sink, extra, rank=self._guard.rank, world=self._guard.world, run_id=run_id,
                             timeout_s=self._guard.timeout_s)  # fmt: skip
 
-    def _trace_unbuilt(self, exc: PeerNeverJoinedError, group: dist.ProcessGroup | None, strategy: Strategy, sink: TraceSink | None,
-                       extra: Mapping[str, Any]) -> None:  # fmt: skip
+    def _trace_unbuilt(self, exc: PeerNeverJoinedError, group: dist.ProcessGroup | None, strategy: Strategy,
+                       sink: TraceSink | None, extra: Mapping[str, Any]) -> None:  # fmt: skip
         """A trace of a lifecycle whose guard could not be built: what it waited for, and who never came."""
-        import torch.distributed as dist
-
         # No run id can be shared (rank 0 may be the one missing): the given one, else this rank's own.
         run_id = self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or new_run_id()
         tracer = self._tracer(strategy, sink, extra, rank=dist.get_rank(group), world=dist.get_world_size(group),

@@ -54,10 +54,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
+from miles_fsm.drivers.cpu_memory import PauseResume
 from miles_fsm.drivers.eligibility import Eligibility, rematerialize_eligibility
 from miles_fsm.drivers.errors import HostCopyMissingError
 from miles_fsm.drivers.megatron.buffers import chunk_buffers, ddp_buffers_in_tags, tags_holding_params
@@ -85,14 +86,6 @@ __all__ = ["ACTOR", "NON_ACTOR_TAGS", "OPTIMIZER_KEY", "MegatronTrainer", "Pause
 ACTOR = "actor"
 NON_ACTOR_TAGS = ("ref", "teacher", "old_actor", "rollout_actor")
 _HALF = (torch.bfloat16, torch.float16)
-
-
-class PauseResume(Protocol):
-    """The part of a memory saver the driver calls during the lifecycle."""
-
-    def pause(self, tag: str, *, synchronize: bool = True) -> None: ...
-
-    def resume(self, tag: str) -> None: ...
 
 
 class MegatronTrainer:
