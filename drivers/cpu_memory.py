@@ -25,7 +25,7 @@ import torch
 
 from miles_fsm.states.errors import MemoryTagError
 
-__all__ = ["POISON_BYTE", "CpuMemorySaver", "MemorySaver", "Region"]
+__all__ = ["POISON_BYTE", "CpuMemorySaver", "MemorySaver", "PauseResume", "Region"]
 
 #: Every byte of a region resumed without backup. 0xFF.. is NaN in fp32,
 #: bf16 and fp16 alike, and -1 in signed ints, so nothing passes for data.
@@ -74,6 +74,14 @@ class MemorySaver(Protocol):
     def host_bytes(self, tags: Iterable[str] | None = None) -> int:
         """Host bytes held now by the saver's own backups."""
         ...
+
+
+class PauseResume(Protocol):
+    """The part of a memory saver that the Megatron driver calls during the lifecycle (its ``memory=``)."""
+
+    def pause(self, tag: str, *, synchronize: bool = True) -> None: ...
+
+    def resume(self, tag: str) -> None: ...
 
 
 @dataclass(slots=True, eq=False)

@@ -34,6 +34,13 @@ class IneligibleModelError(MilesFsmError, ValueError):
     ``params`` (``drivers/eligibility.py`` builds them).
     """
 
+    #: The params that rematerialize cannot rebuild.
+    params: tuple[str, ...]
+    #: Why (``not in a DDP param buffer``, ...).
+    reason: str
+    #: One hint per param, in the order of ``params`` (empty: none given).
+    suggestions: tuple[str, ...]
+
     def __init__(self, params: Sequence[str], reason: str, suggestions: Sequence[str] = ()) -> None:
         self.params = tuple(params)
         self.reason = reason

@@ -50,11 +50,9 @@ from miles_fsm.drivers.reference.trainer import ModelConfig, ReferenceTrainer, T
 from miles_fsm.drivers.reference.engine import EngineConfig, ReferenceEngine
 from miles_fsm.states import State
 
-from miles_fsm.aio.machine import StateChanges
-from miles_fsm.states.aio import AsyncLifecycle
-from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
-from miles_fsm.launch.local import RankContext, run_ranks
-from miles_fsm.states.lifecycle import Lifecycle
+from miles_fsm import AsyncLifecycle, GuardConfig, Lifecycle, LifecycleConfig, VerifyConfig, run_ranks
+from miles_fsm.aio import StateChanges
+from miles_fsm.launch import RankContext
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -11,9 +11,11 @@ from miles_fsm.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-#: What an embedder needs, by the module that defines it. Everything else
-#: imports from its own module: the table's parts from ``miles_fsm.states``,
-#: every error from ``miles_fsm.errors`` (whose docstring says where each lives).
+#: What an embedder needs, by the module that defines it, and every name of
+#: 0.1.0's top level that a user's code named (docs/architecture.md lists
+#: where each of the others went). Everything else imports from its own
+#: module: the table's parts from ``miles_fsm.states``, every error from
+#: ``miles_fsm.errors`` (whose docstring says where each lives).
 _EXPORTS = {
     # The lifecycle, its small frozen configs and what it reports.
     "Lifecycle": "miles_fsm.states.lifecycle",
@@ -25,10 +27,17 @@ _EXPORTS = {
     "Trigger": "miles_fsm.states",
     "Strategy": "miles_fsm.states",
     "Guard": "miles_fsm.guard.consensus",
+    # The seams: what a driver returns and is handed (a step, its collectives, a tensor set).
+    "Step": "miles_fsm.states",
+    "StepKind": "miles_fsm.states",
+    "Collective": "miles_fsm.plan",
+    "TensorSet": "miles_fsm.plan",
+    "digest_tensors": "miles_fsm.digest",
     # The seams: implement these for your stack; the reference drivers are the worked example.
     "TrainerDriver": "miles_fsm.states.protocols",
     "EngineDriver": "miles_fsm.states.protocols",
     "VersionedTrainer": "miles_fsm.states.protocols",
+    "RematerializingTrainer": "miles_fsm.states.protocols",
     "StepReport": "miles_fsm.states.protocols",
     "ReferenceTrainer": "miles_fsm.drivers.reference.trainer",
     "ReferenceEngine": "miles_fsm.drivers.reference.engine",
@@ -48,6 +57,9 @@ _EXPORTS = {
     "DriverProtocolError": "miles_fsm.states.errors",
     "TransitionNotAllowed": "miles_fsm.errors",
     "GuardError": "miles_fsm.errors",
+    "LastSeen": "miles_fsm.errors",
+    "MemoryReleasedError": "miles_fsm.errors",
+    "IneligibleModelError": "miles_fsm.drivers.errors",
     "RankFailedError": "miles_fsm.errors",
     "RecoveryError": "miles_fsm.states.errors",
     "VerificationError": "miles_fsm.states.errors",
@@ -58,28 +70,36 @@ _EXPORTS = {
 __all__ = [
     "AsyncLifecycle",
     "AsyncSnapshot",
+    "Collective",
     "ConfigError",
     "DriverProtocolError",
     "EngineDriver",
     "Guard",
     "GuardConfig",
     "GuardError",
+    "IneligibleModelError",
+    "LastSeen",
     "LauncherLostError",
     "Lifecycle",
     "LifecycleConfig",
+    "MemoryReleasedError",
     "MilesFsmError",
     "RankFailedError",
     "RankOutcome",
     "RankStoppedError",
     "RecoveryError",
+    "RematerializingTrainer",
     "ReferenceEngine",
     "ReferenceTrainer",
     "RolloutWindow",
     "Snapshot",
     "State",
     "StateChange",
+    "Step",
+    "StepKind",
     "StepReport",
     "Strategy",
+    "TensorSet",
     "TrainerDriver",
     "TransitionNotAllowed",
     "Trigger",
@@ -87,6 +107,7 @@ __all__ = [
     "VerifyConfig",
     "VersionedTrainer",
     "__version__",
+    "digest_tensors",
     "run_ranks",
     "run_ranks_ray",
     "run_under_torchrun",
@@ -95,11 +116,15 @@ __all__ = [
 if TYPE_CHECKING:
     from miles_fsm.aio.machine import AsyncSnapshot, StateChange
     from miles_fsm.config import GuardConfig, LifecycleConfig, VerifyConfig
+    from miles_fsm.digest import digest_tensors
+    from miles_fsm.drivers.errors import IneligibleModelError
     from miles_fsm.drivers.reference.engine import ReferenceEngine
     from miles_fsm.drivers.reference.trainer import ReferenceTrainer
     from miles_fsm.errors import (
         ConfigError,
         GuardError,
+        LastSeen,
+        MemoryReleasedError,
         MilesFsmError,
         RankFailedError,
         TransitionNotAllowed,
@@ -108,10 +133,17 @@ if TYPE_CHECKING:
     from miles_fsm.launch.local import LauncherLostError, RankOutcome, RankStoppedError, run_ranks
     from miles_fsm.launch.ray_actors import run_ranks_ray
     from miles_fsm.launch.torchrun import run_under_torchrun
-    from miles_fsm.states import State, Strategy, Trigger
+    from miles_fsm.plan import Collective, TensorSet
+    from miles_fsm.states import State, Step, StepKind, Strategy, Trigger
     from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow
     from miles_fsm.states.errors import DriverProtocolError, RecoveryError, VerificationError
     from miles_fsm.states.lifecycle import Lifecycle, Snapshot
-    from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver, VersionedTrainer
+    from miles_fsm.states.protocols import (
+        EngineDriver,
+        RematerializingTrainer,
+        StepReport,
+        TrainerDriver,
+        VersionedTrainer,
+    )
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -72,18 +72,18 @@ class Report(Protocol):
 class Failure:
     """Why a rank is FAILED: the transition, the state it left, the step (None: the guard) and the error."""
 
-    trigger: Any
+    trigger: enum.Enum
     epoch: int
     step: str | None
     error: BaseException
-    source: Any = None
+    source: enum.Enum | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class InFlight:
     """The transition a rank is inside, and where in it."""
 
-    trigger: Any
+    trigger: enum.Enum
     epoch: int
     phase: Literal["plan", "guard", "step"]
     step: str | None
@@ -102,10 +102,10 @@ class StepResult:
 class TransitionResult:
     """What one transition did and how long each part took."""
 
-    trigger: Any
+    trigger: enum.Enum
     epoch: int
-    source: Any
-    dest: Any
+    source: enum.Enum
+    dest: enum.Enum
     duration_s: float
     guard_s: float
     steps: tuple[StepResult, ...]

@@ -33,6 +33,7 @@ _LAZY = {
     "MemoryLedger": "miles_fsm.states.memory",
     "RolloutWindow": "miles_fsm.states.aio",
     "Snapshot": "miles_fsm.states.lifecycle",
+    "RematerializingTrainer": "miles_fsm.states.protocols",
     "StepReport": "miles_fsm.states.protocols",
     "TrainerDriver": "miles_fsm.states.protocols",
     "VersionedTrainer": "miles_fsm.states.protocols",
@@ -49,6 +50,7 @@ __all__ = [
     "EngineDriver",
     "Lifecycle",
     "MemoryLedger",
+    "RematerializingTrainer",
     "RolloutWindow",
     "Side",
     "Snapshot",
@@ -70,6 +72,12 @@ if TYPE_CHECKING:
     from miles_fsm.states.aio import AsyncLifecycle, RolloutWindow
     from miles_fsm.states.lifecycle import Lifecycle, Snapshot
     from miles_fsm.states.memory import MemoryLedger
-    from miles_fsm.states.protocols import EngineDriver, StepReport, TrainerDriver, VersionedTrainer
+    from miles_fsm.states.protocols import (
+        EngineDriver,
+        RematerializingTrainer,
+        StepReport,
+        TrainerDriver,
+        VersionedTrainer,
+    )
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

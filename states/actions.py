@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from time import perf_counter
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from miles_fsm import digest_device
 from miles_fsm.config import VerifyConfig
@@ -31,7 +31,7 @@ from miles_fsm.states.protocols import StepReport
 from miles_fsm.trace.schema import VERIFIED, VERIFY_FAILED
 
 if TYPE_CHECKING:
-    from miles_fsm.states.protocols import EngineDriver, TrainerDriver
+    from miles_fsm.states.protocols import EngineDriver, RematerializingTrainer, TrainerDriver
     from miles_fsm.trace.writer import TraceSink
 
 __all__ = ["Actions"]
@@ -107,11 +107,16 @@ class Actions:
 
     def cast_main_to_params(self, step: Step, epoch: int) -> StepReport | None:
         self._join()
-        return self._trainer.cast_main_to_params()
+        return self._rematerializing.cast_main_to_params()
 
     def param_sync(self, step: Step, epoch: int) -> StepReport | None:
         self._join()
-        return self._trainer.param_sync()
+        return self._rematerializing.param_sync()
+
+    @property
+    def _rematerializing(self) -> RematerializingTrainer:
+        # Only REMATERIALIZE's steps call this, and check_driver held such a trainer to that protocol.
+        return cast("RematerializingTrainer", self._trainer)
 
     def restore(self, step: Step, epoch: int) -> StepReport | None:
         self._join()

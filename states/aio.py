@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import anyio
 import anyio.lowlevel
@@ -21,6 +22,9 @@ from miles_fsm.errors import TransitionNotAllowed
 from miles_fsm.machine import TransitionResult
 from miles_fsm.plan import Collective
 from miles_fsm.states.definition import State, Trigger
+
+if TYPE_CHECKING:
+    from miles_fsm.states.lifecycle import Lifecycle
 
 __all__ = ["AsyncLifecycle", "RolloutWindow"]
 
@@ -33,7 +37,7 @@ class RolloutWindow:
     entered: tuple[TransitionResult, ...]
 
 
-class AsyncLifecycle(AsyncMachine):
+class AsyncLifecycle(AsyncMachine[State, Trigger]):
     """The async face of one rank's ``Lifecycle``. Build one per rank, and use it from one event loop.
 
     Every trigger fired through it is serialized by a per-rank lock (FIFO) and
@@ -41,6 +45,14 @@ class AsyncLifecycle(AsyncMachine):
     fired on the wrapped ``Lifecycle`` directly are still serialized (it has a
     thread lock of its own) but are not published.
     """
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        super().__init__(lifecycle)
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        """The ``Lifecycle`` this drives."""
+        return cast("Lifecycle", super().lifecycle)
 
     async def start(self) -> TransitionResult:
         return await self.fire(Trigger.START)
@@ -96,7 +108,7 @@ class AsyncLifecycle(AsyncMachine):
             yield window
         except BaseException:
             with anyio.CancelScope(shield=True):
-                if self.lifecycle.state is not State.FAILED:
+                if self.state is not State.FAILED:
                     await self.advance_to(State.TRAINING)
             raise
         with anyio.CancelScope(shield=True):

@@ -142,7 +142,9 @@ def steps_for(transition: Transition[State, Trigger], strategy: Strategy) -> tup
     return tuple(s for s in transition.steps if s.applies_to(strategy))
 
 
+#: The trainer's memory tags, as torch_memory_saver names its regions.
 TRAINER_TAGS = ("param_buffer", "grad_buffer", "default")
+#: The engine's memory tags, as SGLang names them.
 ENGINE_TAGS = ("weights", "kv_cache")
 
 _T = frozenset

@@ -26,6 +26,13 @@ __all__ = [
 class VerificationError(MilesFsmError, RuntimeError):
     """Tensors came back with different bytes than they had before the offload."""
 
+    #: The epoch whose cycle brought the tensors back different.
+    epoch: int
+    #: The names of the tensors that differ.
+    mismatched: tuple[str, ...]
+    #: Whose tensors: ``trainer``, or ``engine <name>`` for the weights an engine serves.
+    where: str
+
     def __init__(self, *, epoch: int, mismatched: Sequence[str], where: str = "trainer") -> None:
         self.epoch = epoch
         self.mismatched = tuple(mismatched)
@@ -88,6 +95,11 @@ class WeightVersionError(MilesFsmError, RuntimeError):
 class RecoveryError(MilesFsmError, RuntimeError):
     """A FAILED rank cannot be recovered to the state asked for."""
 
+    #: The state the recovery was asked to reach.
+    target: str
+    #: Why the rank cannot be recovered there.
+    reason: str
+
     def __init__(self, *, target: str, reason: str) -> None:
         self.target = target
         self.reason = reason
@@ -118,6 +130,15 @@ class StructureVersionError(MilesFsmError, RuntimeError):
 
 class DriverProtocolError(MilesFsmError, TypeError):
     """A driver handed to the lifecycle lacks members of its protocol."""
+
+    #: Which driver: ``trainer`` or ``engine``.
+    role: str
+    #: The driver's class, by its qualified name.
+    driver: str
+    #: The protocol's members it lacks, sorted.
+    missing: tuple[str, ...]
+    #: The protocol it was held to (``TrainerDriver``, ``RematerializingTrainer``, ``EngineDriver``).
+    protocol: str
 
     def __init__(self, *, role: str, driver: str, missing: Sequence[str], protocol: str) -> None:
         self.role = role

@@ -24,6 +24,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
+
 from miles_fsm.config import LifecycleConfig
 from miles_fsm.errors import PeerNeverJoinedError, describe
 from miles_fsm.guard.consensus import Guard
@@ -77,8 +79,8 @@ class Lifecycle:
         engine: EngineDriver | None = None,
         config: LifecycleConfig | None = None,
         guard: Guard | None = None,
-        group: Any = None,
-        store: Any = None,
+        group: dist.ProcessGroup | None = None,
+        store: dist.Store | None = None,
         sink: TraceSink | None = None,
         engine_leader: bool | None = None,
         trace_meta: Mapping[str, Any] | None = None,
@@ -147,11 +149,9 @@ class Lifecycle:
         return self._tracer(strategy, sink, extra, rank=self._guard.rank, world=self._guard.world, run_id=run_id,
                             timeout_s=self._guard.timeout_s)  # fmt: skip
 
-    def _trace_unbuilt(self, exc: PeerNeverJoinedError, group: Any, strategy: Strategy, sink: TraceSink | None,
-                       extra: Mapping[str, Any]) -> None:  # fmt: skip
+    def _trace_unbuilt(self, exc: PeerNeverJoinedError, group: dist.ProcessGroup | None, strategy: Strategy,
+                       sink: TraceSink | None, extra: Mapping[str, Any]) -> None:  # fmt: skip
         """A trace of a lifecycle whose guard could not be built: what it waited for, and who never came."""
-        import torch.distributed as dist
-
         # No run id can be shared (rank 0 may be the one missing): the given one, else this rank's own.
         run_id = self._config.run_id or os.environ.get("MILES_FSM_RUN_ID") or new_run_id()
         tracer = self._tracer(strategy, sink, extra, rank=dist.get_rank(group), world=dist.get_world_size(group),
@@ -359,7 +359,7 @@ class Lifecycle:
             memory = self._actions.memory
             check_target(self.state, target, memory[Side.TRAINER])
             failure = self._machine.failure
-            planned = self._plans[failure.trigger] if failure is not None else ()
+            planned = self._plans[Trigger(failure.trigger)] if failure is not None else ()
             check_rebuilt(failure, planned, memory[Side.TRAINER], target, self._actions.pending_verification)
             match_memory(target, memory, engine=self._engine is not None)
             # Recorded digests stay: the next resume of this epoch verifies against them.

@@ -18,7 +18,7 @@ from miles_fsm.states.errors import DriverProtocolError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineDriver", "StepReport", "TrainerDriver", "VersionedTrainer", "check_driver"]
+__all__ = ["EngineDriver", "RematerializingTrainer", "StepReport", "TrainerDriver", "VersionedTrainer", "check_driver"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,8 +33,12 @@ class StepReport:
 class TrainerDriver(Protocol):
     """One trainer rank: its weights, its memory, its collectives.
 
-    Exactly what the lifecycle calls, and what ``check_driver`` requires; a
-    driver may have more (the reference trainer's ``copy`` and ``get``).
+    Exactly what the lifecycle calls under either weight strategy, and what
+    ``check_driver`` requires of every trainer. A trainer whose ``strategy``
+    is ``Strategy.REMATERIALIZE`` is a ``RematerializingTrainer``: it adds
+    the two methods that strategy calls. A ``Strategy.BACKUP`` trainer needs
+    only these. A driver may have more (the reference trainer's ``copy``
+    and ``get``).
     """
 
     @property
@@ -48,14 +52,6 @@ class TrainerDriver(Protocol):
 
     def restore(self, tag: str) -> StepReport | None:
         """Write ``tag``'s host copy back into the model."""
-        ...
-
-    def cast_main_to_params(self) -> StepReport | None:
-        """Rebuild this rank's shard of the bf16 params from the fp32 master weights."""
-        ...
-
-    def param_sync(self) -> StepReport | None:
-        """All-gather the params so that every rank holds them whole."""
         ...
 
     def pause_memory(self, tag: str) -> None:
@@ -84,6 +80,25 @@ class TrainerDriver(Protocol):
 
     def memory_in_use(self) -> int | None:
         """Device (or host, on CPU) bytes this trainer holds now, or None if unknown."""
+        ...
+
+
+@runtime_checkable
+class RematerializingTrainer(TrainerDriver, Protocol):
+    """A trainer whose ``strategy`` is ``Strategy.REMATERIALIZE``: the two methods that strategy adds.
+
+    Under REMATERIALIZE no host copy of the bf16 params exists: at
+    ``rematerialize`` the lifecycle calls ``cast_main_to_params``, then at
+    ``sync`` ``param_sync``. Under BACKUP it calls neither, and
+    ``check_driver`` does not require them.
+    """
+
+    def cast_main_to_params(self) -> StepReport | None:
+        """Rebuild this rank's shard of the bf16 params from the fp32 master weights."""
+        ...
+
+    def param_sync(self) -> StepReport | None:
+        """All-gather the params so that every rank holds them whole."""
         ...
 
 
@@ -151,7 +166,11 @@ def check_driver(driver: object, protocol: type, role: str) -> None:
 
     ``isinstance`` against a runtime-checkable protocol only says no; this
     says what to add, before any transition half-runs into an AttributeError.
+    A ``TrainerDriver`` whose ``strategy`` is REMATERIALIZE is held to
+    ``RematerializingTrainer``, which adds the two methods that strategy calls.
     """
+    if protocol is TrainerDriver and getattr(driver, "strategy", None) is Strategy.REMATERIALIZE:
+        protocol = RematerializingTrainer
     members = sorted(name for name in dir(protocol) if not name.startswith("_"))
     missing = [name for name in members if not hasattr(driver, name)]
     if missing:

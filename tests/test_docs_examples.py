@@ -124,7 +124,7 @@ actor, rollout_manager = _Actor(), _RolloutManager()
 _ASYNC = _DRIVERS + """
 import anyio
 from miles_fsm import Lifecycle, LifecycleConfig
-from miles_fsm.states.aio import AsyncLifecycle
+from miles_fsm import AsyncLifecycle
 
 lifecycle = Lifecycle(trainer=trainer, engine=engine, config=LifecycleConfig(trace_dir="traces"))
 
@@ -171,6 +171,9 @@ SETUPS = {
     ),
     # A pytest module: written to a file and run by pytest, with an `alc` fixture (a started lifecycle).
     "pytest-module": Setup(""),
+    # A fresh interpreter running the block as its main script: a block that starts ranks with run_ranks, whose
+    # processes import that script (the block's `if __name__ == "__main__":` keeps them from launching again).
+    "launcher": Setup("", subprocess=True),
     # A fresh interpreter: megatron_cpu.enable() patches the process for good.
     "fresh-process": Setup("", subprocess=True, needs="megatron.core"),
     # A fresh interpreter with a one-rank gloo process group, for megatron-core's model.
@@ -191,7 +194,7 @@ from miles_fsm import Lifecycle, LifecycleConfig
 from miles_fsm.drivers.cpu_memory import CpuMemorySaver
 from miles_fsm.drivers.reference.trainer import ReferenceTrainer
 from miles_fsm.drivers.reference.engine import ReferenceEngine
-from miles_fsm.states.aio import AsyncLifecycle
+from miles_fsm import AsyncLifecycle
 
 
 @pytest.fixture
@@ -314,3 +317,28 @@ def test_the_async_example_leaves_traces_that_replay_ok(tmp_path, capsys):
     assert done.returncode == 0, done.stderr
     assert main(["replay", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("OK: 1 rank(s)")
+
+
+#: What a driver author names in a driver's signatures: the protocols' own argument and return types.
+DRIVER_TYPES = ("TrainerDriver", "EngineDriver", "RematerializingTrainer", "Strategy", "StepReport", "Step", "StepKind",
+                "Collective", "TensorSet")  # fmt: skip
+
+
+def test_every_type_a_driver_author_names_is_public_and_in_the_guides_examples():
+    """Each type of the driver protocols' signatures imports from ``miles_fsm``, and docs/embedding.md's
+    examples use it (issue 37: ``Collective`` and ``TensorSet`` lived only in ``miles_fsm.plan``)."""
+    import miles_fsm
+    from miles_fsm.states import protocols
+
+    guide = ROOT / "docs" / "embedding.md"
+    text = "\n".join(b.code for b in PYTHON if b.doc == guide) + "\n".join(
+        line for line in guide.read_text().splitlines() if "`" in line)  # fmt: skip
+    for name in DRIVER_TYPES:
+        assert name in miles_fsm.__all__, f"{name} is not on the top level"
+        assert re.search(rf"\b{name}\b", text), f"docs/embedding.md never shows {name}"
+    named = set()
+    for proto in (protocols.TrainerDriver, protocols.RematerializingTrainer, protocols.EngineDriver):
+        for member in vars(proto).values():
+            fn = member.fget if isinstance(member, property) else member
+            named |= set(re.findall(r"\b[A-Z]\w+\b", " ".join(map(str, getattr(fn, "__annotations__", {}).values()))))
+    assert named - {"Iterable", "Mapping", "None"} - {"Tensor"} <= set(DRIVER_TYPES), named

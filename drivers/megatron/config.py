@@ -16,11 +16,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from miles_fsm.config import VerifyConfig, ci_mode
 from miles_fsm.errors import ConfigError
 from miles_fsm.states import Strategy
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
 
 __all__ = ["MegatronDriverConfig", "TagMemory"]
 
@@ -178,7 +182,9 @@ class MegatronDriverConfig:
         )
 
     @classmethod
-    def from_megatron(cls, chunks: Sequence[Any], optimizer: Any, **settings: Any) -> MegatronDriverConfig:
+    def from_megatron(
+        cls, chunks: Sequence[DistributedDataParallel], optimizer: MegatronOptimizer, **settings: Any
+    ) -> MegatronDriverConfig:
         """A config whose megatron-side settings are read from the live chunks and optimizer.
 
         ``settings`` gives the RL-run fields (``colocate``, ``keep_old_actor``,

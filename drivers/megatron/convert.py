@@ -276,7 +276,7 @@ def _local_params(model: Any, shape: LlamaShape, tp_size: int) -> dict[str, torc
     return params
 
 
-def iter_hf_weights(model: Any, *, vocab: int | None = None, mistake: Mistake | None = None,
+def iter_hf_weights(model: torch.nn.Module, *, vocab: int | None = None, mistake: Mistake | None = None,
                     ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """``(hf_name, tensor)`` for every ``LlamaForCausalLM`` weight of a live megatron GPT, in a fixed order.
 
@@ -301,7 +301,7 @@ def iter_hf_weights(model: Any, *, vocab: int | None = None, mistake: Mistake | 
 
 
 @torch.no_grad()
-def load_hf_weights(model: Any, state: Mapping[str, torch.Tensor], *, vocab: int | None = None) -> None:
+def load_hf_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, vocab: int | None = None) -> None:
     """Copy a ``LlamaForCausalLM`` state dict into a live megatron GPT, each TP rank its own shard.
 
     Every name and shape is checked before any param is written. Values are

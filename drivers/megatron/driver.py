@@ -54,10 +54,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
+from miles_fsm.drivers.cpu_memory import PauseResume
 from miles_fsm.drivers.eligibility import Eligibility, rematerialize_eligibility
 from miles_fsm.drivers.errors import HostCopyMissingError
 from miles_fsm.drivers.megatron.buffers import chunk_buffers, ddp_buffers_in_tags, tags_holding_params
@@ -75,20 +76,16 @@ from miles_fsm.plan import Collective, TensorSet
 from miles_fsm.states import Step, StepKind, Strategy
 from miles_fsm.states.protocols import StepReport
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+
 __all__ = ["ACTOR", "NON_ACTOR_TAGS", "OPTIMIZER_KEY", "MegatronTrainer", "PauseResume", "coalesce_optimizer_state",
            "ddp_buffers_in_tags"]  # fmt: skip
 
 ACTOR = "actor"
 NON_ACTOR_TAGS = ("ref", "teacher", "old_actor", "rollout_actor")
 _HALF = (torch.bfloat16, torch.float16)
-
-
-class PauseResume(Protocol):
-    """The part of a memory saver the driver calls during the lifecycle."""
-
-    def pause(self, tag: str, *, synchronize: bool = True) -> None: ...
-
-    def resume(self, tag: str) -> None: ...
 
 
 class MegatronTrainer:
@@ -101,8 +98,8 @@ class MegatronTrainer:
     def __init__(
         self,
         *,
-        chunks: Sequence[Any],
-        optimizer: Any,
+        chunks: Sequence[DistributedDataParallel],
+        optimizer: MegatronOptimizer,
         config: MegatronDriverConfig | None = None,
         memory: PauseResume | None = None,
         convert: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None,
@@ -145,11 +142,11 @@ class MegatronTrainer:
         return self._config.effective_strategy
 
     @property
-    def chunks(self) -> tuple[Any, ...]:
+    def chunks(self) -> tuple[DistributedDataParallel, ...]:
         return self._chunks
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> MegatronOptimizer:
         """The (chained) optimizer the driver was built with."""
         return self._optimizer
 
@@ -159,7 +156,7 @@ class MegatronTrainer:
         return self._eligibility
 
     @property
-    def inner_optimizers(self) -> tuple[Any, ...]:
+    def inner_optimizers(self) -> tuple[MegatronOptimizer, ...]:
         return self._inner
 
     def _prefix(self, i: int) -> str:

@@ -18,7 +18,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,12 @@ from miles_fsm.drivers.megatron.optimizer import OPTIMIZER_TAG, coalesce_optimiz
 from miles_fsm.errors import ConfigError
 from miles_fsm.plan import Collective
 from miles_fsm.states import TRAINER_TAGS, Step, StepKind, Strategy
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+
+    from miles_fsm.drivers.cpu_memory import MemorySaver
 
 __all__ = ["GptConfig", "GptTrainer", "TinyGpt", "build_tiny_gpt", "train_step"]
 
@@ -63,8 +69,8 @@ class GptConfig:
 class TinyGpt:
     """The DDP chunks and the chained distributed optimizer of one tiny GPT, and its config."""
 
-    chunks: list[Any]
-    optimizer: Any
+    chunks: list[DistributedDataParallel]
+    optimizer: MegatronOptimizer
     config: GptConfig
 
 
@@ -77,7 +83,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def build_tiny_gpt(config: GptConfig | None = None, *, saver: Any = None) -> TinyGpt:
+def build_tiny_gpt(config: GptConfig | None = None, *, saver: MemorySaver | None = None) -> TinyGpt:
     """A bf16 GPT under DDP + the distributed optimizer, built identically on every rank.
 
     Needs the default process group. With ``saver``, the DDP param and grad
@@ -157,7 +163,7 @@ class GptTrainer(MegatronTrainer):
     right after the first step (torch allocates them lazily, in that step).
     """
 
-    def __init__(self, *, model: TinyGpt, saver: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *, model: TinyGpt, saver: MemorySaver | None = None, **kwargs: Any) -> None:
         super().__init__(chunks=model.chunks, optimizer=model.optimizer, memory=saver, **kwargs)
         self.model = model
         self.saver = saver
@@ -165,21 +171,20 @@ class GptTrainer(MegatronTrainer):
         self._to_tag()
 
     @classmethod
-    def build(cls, *, gpt: GptConfig | None = None, saver: Any = None, strategy: Any = Strategy.REMATERIALIZE,
-              **settings: Any) -> GptTrainer:  # fmt: skip
+    def build(cls, *, gpt: GptConfig | None = None, saver: MemorySaver | None = None,
+              strategy: Strategy | str = Strategy.REMATERIALIZE, **settings: Any) -> GptTrainer:  # fmt: skip
         """Build the GPT (``build_tiny_gpt``) and its driver, the config read from the megatron objects."""
         model = build_tiny_gpt(gpt, saver=saver)
         config = MegatronDriverConfig.from_megatron(model.chunks, model.optimizer, strategy=strategy, **settings)
         return cls(model=model, saver=saver, config=config)
 
     def _to_tag(self) -> None:
-        if self.saver is None:
+        saver = self.saver
+        if saver is None:
             return
         backup = next(t.cpu_backup for t in self.config.tag_memory if t.tag == OPTIMIZER_TAG)
         with _quiet():
-            coalesce_optimizer_state(
-                self.optimizer, lambda n: self.saver.empty(OPTIMIZER_TAG, n, torch.uint8, backup=backup)
-            )
+            coalesce_optimizer_state(self.optimizer, lambda n: saver.empty(OPTIMIZER_TAG, n, torch.uint8, backup=backup))
 
     def train_collectives(self) -> tuple[Collective, ...]:
         """What ``train_step`` issues, from the bucket layout alone (rank-uniform): a grad reduce-scatter

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from miles_fsm.drivers.errors import NotLlamaShapedError
 from miles_fsm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 __all__ = ["LlamaShape", "build_llama_gpt", "unwrap_gpt"]
 
@@ -111,7 +114,7 @@ class LlamaShape:
         }
 
     @classmethod
-    def from_megatron(cls, model: Any, *, vocab: int | None = None) -> LlamaShape:
+    def from_megatron(cls, model: torch.nn.Module, *, vocab: int | None = None) -> LlamaShape:
         """The shape of a live GPT (bare, or wrapped in ``Float16Module``/DDP); refused unless Llama-shaped.
 
         ``vocab`` is the HF vocab, when the embedding holds padding rows beyond it.
@@ -136,7 +139,7 @@ class LlamaShape:
         )
 
 
-def unwrap_gpt(model: Any) -> Any:
+def unwrap_gpt(model: torch.nn.Module) -> GPTModel:
     """The ``GPTModel`` inside DDP and ``Float16Module`` wrappers (each keeps it as ``.module``)."""
     seen = model
     while not (hasattr(seen, "decoder") and hasattr(seen, "embedding")):
@@ -175,7 +178,7 @@ def _shape_problems(gpt: Any) -> list[str]:
 
 
 def build_llama_gpt(shape: LlamaShape, *, seed: int = 1234, dtype: torch.dtype = torch.float32,
-                    init_std: float = 0.02, tp: int = 1) -> Any:  # fmt: skip
+                    init_std: float = 0.02, tp: int = 1) -> GPTModel:  # fmt: skip
     """A bare Llama-shaped ``GPTModel`` (local spec, CPU init), identical for one seed at any TP size.
 
     Initializes megatron's model parallel state (``tp``-way tensor parallel)

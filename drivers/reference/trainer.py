@@ -61,7 +61,7 @@ class TrainerConfig:
 
     ``frozen`` names params that are not trained: they sit outside the flat
     buffer, so ``rematerialize`` cannot rebuild them and refuses at init
-    (the seed's known case: frozen ``nn.Parameter``s that DDP skips).
+    (the seed's known case: frozen ``nn.Parameter`` objects that DDP skips).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -45,6 +45,7 @@ from miles_fsm.errors import ConfigError
 from miles_fsm.states.errors import WeightVersionError
 
 if TYPE_CHECKING:
+    import sglang
     import torch
 
     from miles_fsm.plan import Collective
@@ -109,10 +110,12 @@ class SGLangEngineDriver:
         return cls([HttpTransport(u, config=http) for u in urls], config=config)
 
     @classmethod
-    def offline(cls, engines: Any | Sequence[Any], *, config: SGLangConfig | None = None) -> SGLangEngineDriver:
+    def offline(
+        cls, engines: sglang.Engine | Sequence[sglang.Engine], *, config: SGLangConfig | None = None
+    ) -> SGLangEngineDriver:
         """Offline ``sglang.Engine`` objects (already started by the caller)."""
-        engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
-        return cls([EngineTransport(e, name=f"engine{i}") for i, e in enumerate(engines)], config=config)
+        listed = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+        return cls([EngineTransport(e, name=f"engine{i}") for i, e in enumerate(listed)], config=config)
 
     # ------------------------------------------------------------- facts
 

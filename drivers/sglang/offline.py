@@ -16,6 +16,7 @@ from miles_fsm.drivers.sglang.payload import serialize_named_tensors
 from miles_fsm.drivers.sglang.protocol import EngineCapabilities, EngineChecksums
 
 if TYPE_CHECKING:
+    import sglang
     import torch
 
 __all__ = ["EngineTransport"]
@@ -44,7 +45,7 @@ class EngineTransport:
 
     sets_version = False
 
-    def __init__(self, engine: Any, *, name: str = "engine0") -> None:
+    def __init__(self, engine: sglang.Engine, *, name: str = "engine0") -> None:
         self._engine = engine
         self._name = name
 
@@ -62,7 +63,7 @@ class EngineTransport:
         return self._name
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> sglang.Engine:
         return self._engine
 
     def _call(self, op: str, fn: Callable[[], Any], *, session: bool = False) -> Any:

@@ -5,7 +5,7 @@ lock; ``gate`` holds a call's point of no return and the cancellation rules
 around it; ``watch`` what watchers receive: state changes and snapshots.
 """
 
-from miles_fsm.aio.machine import AsyncMachine
-from miles_fsm.aio.watch import AsyncSnapshot, StateChange, StateChanges
+from miles_fsm.aio.machine import AsyncMachine, Drivable
+from miles_fsm.aio.watch import AsyncSnapshot, MachineSnapshot, StateChange, StateChanges
 
-__all__ = ["AsyncMachine", "AsyncSnapshot", "StateChange", "StateChanges"]
+__all__ = ["AsyncMachine", "AsyncSnapshot", "Drivable", "MachineSnapshot", "StateChange", "StateChanges"]

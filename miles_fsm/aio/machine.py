@@ -29,7 +29,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol
 
 import anyio
 import anyio.from_thread
@@ -37,12 +37,16 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from miles_fsm.aio.gate import Gate, Phase, Ticket, cuda_device, deliver, wait_shielded
-from miles_fsm.aio.watch import AsyncSnapshot, StateChange, StateChanges
+from miles_fsm.aio.watch import AsyncSnapshot, MachineSnapshot, StateChange, StateChanges
+from miles_fsm.definition import Definition, S, T
 from miles_fsm.errors import RankFailedError, TransitionNotAllowed, describe
-from miles_fsm.machine import TransitionResult
+from miles_fsm.machine import Failure, TransitionResult
 from miles_fsm.trace.schema import CANCEL_DEFERRED
 
-__all__ = ["AsyncMachine", "AsyncSnapshot", "StateChange", "StateChanges"]
+if TYPE_CHECKING:
+    from miles_fsm.trace.writer import TraceSink
+
+__all__ = ["AsyncMachine", "AsyncSnapshot", "Drivable", "MachineSnapshot", "StateChange", "StateChanges"]
 
 #: Worker threads this API may hold at once per rank: the transition, plus
 #: short-lived waiters for a transition whose awaiting task was cancelled.
@@ -50,14 +54,46 @@ __all__ = ["AsyncMachine", "AsyncSnapshot", "StateChange", "StateChanges"]
 _THREADS = 4
 
 
-class AsyncMachine:
+class Drivable(Protocol[S, T]):
+    """What an ``AsyncMachine`` drives: one rank's machine over states ``S`` and triggers ``T``.
+
+    The colocated ``Lifecycle`` is one (``Drivable[State, Trigger]``).
+    """
+
+    @property
+    def definition(self) -> Definition[S, T]: ...
+
+    @property
+    def state(self) -> S: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def failure(self) -> Failure | None: ...
+
+    @property
+    def tracer(self) -> TraceSink: ...
+
+    def allowed(self) -> tuple[T, ...]: ...
+
+    def snapshot(self) -> MachineSnapshot[S]: ...
+
+    def fire(self, trigger: T, *, before_guard: Callable[[], None] | None = None) -> TransitionResult: ...
+
+    def recover(self, to: S) -> None: ...
+
+
+class AsyncMachine(Generic[S, T]):
     """The async face of one rank's machine. Build one per rank, and use it from one event loop.
 
-    It drives any owner that exposes ``fire(trigger, before_guard=)``,
-    ``recover(to)``, ``definition``, ``state``, ``epoch``, ``rank``,
-    ``failure``, ``allowed()``, ``snapshot()`` and ``tracer``: the colocated
-    ``Lifecycle`` is one (``miles_fsm.states.AsyncLifecycle`` adds its named
-    triggers and the rollout window).
+    It drives any ``Drivable``: the colocated ``Lifecycle`` is one
+    (``miles_fsm.states.AsyncLifecycle`` adds its named triggers and the
+    rollout window). A trigger or state may be given as its enum member or
+    its value (``"offload"``).
 
     Every trigger fired through it is serialized by a per-rank lock (FIFO) and
     published to ``changes()`` iterators and ``wait_for`` waiters. Transitions
@@ -65,10 +101,10 @@ class AsyncMachine:
     thread lock of its own) but are not published.
     """
 
-    def __init__(self, lifecycle: Any) -> None:
+    def __init__(self, lifecycle: Drivable[S, T]) -> None:
         self._lc = lifecycle
         self._definition = lifecycle.definition
-        self._subscribers: weakref.WeakSet[StateChanges] = weakref.WeakSet()
+        self._subscribers: weakref.WeakSet[StateChanges[S, T]] = weakref.WeakSet()
         self._queued: list[Ticket] = []
         self._running: Ticket | None = None
         # Created on first use, inside the event loop they belong to.
@@ -78,25 +114,23 @@ class AsyncMachine:
     # ------------------------------------------------------------------ facts
 
     @property
-    def lifecycle(self) -> Any:
+    def lifecycle(self) -> Drivable[S, T]:
+        """The machine this drives."""
         return self._lc
 
     @property
-    def state(self) -> Any:
+    def state(self) -> S:
         return self._lc.state
 
-    # The owner is duck-typed (see the class's docstring): these say what its facts are.
     @property
     def epoch(self) -> int:
-        epoch: int = self._lc.epoch
-        return epoch
+        return self._lc.epoch
 
     @property
     def rank(self) -> int:
-        rank: int = self._lc.rank
-        return rank
+        return self._lc.rank
 
-    def snapshot(self) -> AsyncSnapshot:
+    def snapshot(self) -> AsyncSnapshot[S]:
         """State, epoch, the transition in flight and since when, paused tags, and the lock's queue."""
         running = self._running
         return AsyncSnapshot(
@@ -109,13 +143,13 @@ class AsyncMachine:
 
     # --------------------------------------------------------------- triggers
 
-    async def fire(self, trigger: Any) -> TransitionResult:
+    async def fire(self, trigger: T | str) -> TransitionResult:
         """Run one transition in a worker thread, after any queued before it."""
-        trigger = self._definition.triggers(trigger)
-        async with self._turn(trigger.value):
-            return await self._fire_locked(trigger)
+        member = self._definition.triggers(trigger)
+        async with self._turn(member.value):
+            return await self._fire_locked(member)
 
-    async def advance_to(self, state: Any) -> tuple[TransitionResult, ...]:
+    async def advance_to(self, state: S | str) -> tuple[TransitionResult, ...]:
         """Fire the triggers along the table until the rank is in ``state``; hold the lock throughout.
 
         Each transition follows the cancellation rule on its own: a
@@ -137,7 +171,7 @@ class AsyncMachine:
                 results.append(await self._fire_locked(path[0]))
             return tuple(results)
 
-    async def recover(self, to: Any) -> None:
+    async def recover(self, to: S | str) -> None:
         """The owner's ``recover`` in a worker thread. Once started it is never abandoned."""
         target = self._definition.states(to)
         async with self._turn(f"recover({target.value})"):
@@ -154,11 +188,11 @@ class AsyncMachine:
 
     # ------------------------------------------------------------------ waits
 
-    def changes(self) -> StateChanges:
+    def changes(self) -> StateChanges[S, T]:
         """An async iterator of the changes published from now on (see ``StateChanges``)."""
         return StateChanges(self)
 
-    async def wait_for(self, state: Any) -> None:
+    async def wait_for(self, state: S | str) -> None:
         """Return once the rank is in ``state``, or has reached it since this call began.
 
         Raises ``RankFailedError`` if the rank is or goes FAILED first (unless
@@ -205,7 +239,7 @@ class AsyncMachine:
             self._running = None
             lock.release()
 
-    async def _fire_locked(self, trigger: Any) -> TransitionResult:
+    async def _fire_locked(self, trigger: T) -> TransitionResult:
         lc = self._lc
         source = lc.state
         gate = Gate(commit_at_start=False)
@@ -216,7 +250,7 @@ class AsyncMachine:
                 self._publish(
                     StateChange(
                         source=source,
-                        dest=result.dest,
+                        dest=self._definition.states(result.dest),
                         trigger=trigger,
                         epoch=result.epoch,
                         result=result,
@@ -293,11 +327,11 @@ class AsyncMachine:
             return cancel
         return None
 
-    def _publish(self, change: StateChange) -> None:
+    def _publish(self, change: StateChange[S, T]) -> None:
         for sub in list(self._subscribers):
             sub._push(change)
 
-    def _failed_error(self, target: Any) -> RankFailedError:
+    def _failed_error(self, target: S) -> RankFailedError:
         failure = self._lc.failure
         if failure is None:  # FAILED without a recorded failure cannot happen; say so rather than guess
             return RankFailedError(

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
 
+from miles_fsm.definition import S, T
 from miles_fsm.machine import Failure, InFlight, TransitionResult
 
 if TYPE_CHECKING:
@@ -17,11 +19,36 @@ if TYPE_CHECKING:
 
     from miles_fsm.aio.machine import AsyncMachine
 
-__all__ = ["AsyncSnapshot", "StateChange", "StateChanges"]
+__all__ = ["AsyncSnapshot", "MachineSnapshot", "StateChange", "StateChanges"]
+
+S_co = TypeVar("S_co", bound=enum.Enum, covariant=True)
+
+
+class MachineSnapshot(Protocol[S_co]):
+    """What an ``AsyncSnapshot`` wraps: the owner's own snapshot (the lifecycle's is a
+    ``miles_fsm.states.Snapshot``)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def state(self) -> S_co: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def in_flight(self) -> InFlight | None: ...
+
+    @property
+    def failure(self) -> Failure | None: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class StateChange:
+class StateChange(Generic[S, T]):
     """One move of a rank's state, as published to watchers.
 
     ``trigger`` is None for ``recover``. ``error`` is set when ``dest`` is
@@ -31,9 +58,9 @@ class StateChange:
     is published too, with neither.
     """
 
-    source: Any
-    dest: Any
-    trigger: Any | None
+    source: S
+    dest: S
+    trigger: T | None
     epoch: int
     result: TransitionResult | None = None
     error: BaseException | None = None
@@ -46,7 +73,7 @@ class StateChange:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class AsyncSnapshot:
+class AsyncSnapshot(Generic[S]):
     """One rank seen from the async side: the lifecycle's snapshot, plus who waits on its lock.
 
     ``running`` is what holds the lock now (a trigger, ``advance_to(STATE)``
@@ -54,31 +81,27 @@ class AsyncSnapshot:
     ``queued`` are the callers waiting behind it, oldest first.
     """
 
-    lifecycle: Any
+    lifecycle: MachineSnapshot[S]
     running: str | None
     running_since_mono: float | None
     queued: tuple[str, ...]
     watchers: int
 
     @property
-    def state(self) -> Any:
+    def state(self) -> S:
         return self.lifecycle.state
 
-    # The owner's snapshot is duck-typed (``lifecycle: Any``): these say what its facts are.
     @property
     def epoch(self) -> int:
-        epoch: int = self.lifecycle.epoch
-        return epoch
+        return self.lifecycle.epoch
 
     @property
     def in_flight(self) -> InFlight | None:
-        in_flight: InFlight | None = self.lifecycle.in_flight
-        return in_flight
+        return self.lifecycle.in_flight
 
     @property
     def failure(self) -> Failure | None:
-        failure: Failure | None = self.lifecycle.failure
-        return failure
+        return self.lifecycle.failure
 
     def __getattr__(self, name: str) -> Any:
         # The owner's own facts (the lifecycle's paused tags, say) read through.
@@ -106,7 +129,7 @@ class AsyncSnapshot:
         return "; ".join(parts)
 
 
-class StateChanges:
+class StateChanges(Generic[S, T]):
     """An async iterator over a rank's state changes, from the moment it was created.
 
     Use it as ``with alc.changes() as changes: async for change in changes:``
@@ -114,14 +137,14 @@ class StateChanges:
     change published after its creation, in order; none is dropped.
     """
 
-    def __init__(self, owner: AsyncMachine) -> None:
+    def __init__(self, owner: AsyncMachine[S, T]) -> None:
         self._owner = owner
-        self._queue: deque[StateChange] = deque()
+        self._queue: deque[StateChange[S, T]] = deque()
         self._wakeup: anyio.Event | None = None
         self._closed = False
         owner._subscribers.add(self)
 
-    def _push(self, change: StateChange) -> None:
+    def _push(self, change: StateChange[S, T]) -> None:
         self._queue.append(change)
         if self._wakeup is not None:
             self._wakeup.set()
@@ -133,7 +156,7 @@ class StateChanges:
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def __enter__(self) -> StateChanges:
+    def __enter__(self) -> StateChanges[S, T]:
         return self
 
     def __exit__(
@@ -141,10 +164,10 @@ class StateChanges:
     ) -> None:
         self.close()
 
-    def __aiter__(self) -> StateChanges:
+    def __aiter__(self) -> StateChanges[S, T]:
         return self
 
-    async def __anext__(self) -> StateChange:
+    async def __anext__(self) -> StateChange[S, T]:
         await anyio.lowlevel.checkpoint()
         while not self._queue:
             if self._closed:

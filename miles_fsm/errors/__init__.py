@@ -18,7 +18,8 @@ The engine's errors are defined in this package and imported from here:
 - ``guard``: ``GuardError`` and its ``RankDivergenceError``, ``GuardTimeoutError``,
   ``PeerLostError``, ``PeerFailedError``, ``PeerNeverJoinedError``, ``PeerStepFailedError``
   (with ``LastSeen``, what they report of a rank);
-- ``crossing``: ``RankRaisedError``, the stand-in for an error that does not pickle.
+- ``crossing``: ``RankRaisedError``, the stand-in for an error that does not survive a pickle round
+  trip (it does not pickle, or cannot be unpickled).
 
 The layers above the engine keep their errors with them (this package
 imports none of them: the engine never imports a layer above it):

@@ -34,11 +34,18 @@ DivergenceKind = Literal["minority", "tie", "changed", "undecided"]
 class LastSeen:
     """What the store last heard from a rank: where it was, and when."""
 
+    #: The rank.
     rank: int
+    #: Its epoch then.
     epoch: int
+    #: The transition it was in or at, by its trigger.
     trigger: str
+    #: Its state then (the transition's source).
     state: str
+    #: Where it was, in the words its peers' errors use: ``entered guard of``, ``passed guard of``,
+    #: ``failed in <step> of``, ...
     phase: str
+    #: When the rank said it: its wall clock (``time.time()``), in seconds.
     wall: float
     #: Where a failed rank failed: the step's name as traced (None: in its guard, or no failure).
     step: str | None = None
@@ -64,6 +71,25 @@ class RankDivergenceError(GuardError, RuntimeError):
     ``undecided``; ``minority`` is the default of an error built by hand).
     """
 
+    #: The epoch of the transition the ranks disagree on.
+    epoch: int
+    #: The transition's trigger, as this rank planned it.
+    trigger: str
+    #: The first compared field that differs (``tensor set``, ``collective plan``, ...).
+    field: str
+    #: That field's values, each with the ranks that hold it.
+    groups: dict[str, tuple[int, ...]]
+    #: What else the guard knows about the difference (a tensor-set diff), or "".
+    detail: str
+    #: The ranks to suspect first (see ``how``).
+    culprits: tuple[int, ...]
+    #: How the suspects were found: ``changed``, ``tie``, ``undecided`` or ``minority``.
+    how: DivergenceKind
+    #: Every differing field, each with its values and the ranks that hold them.
+    differences: dict[str, dict[str, tuple[int, ...]]]
+    #: Each rank's own position (epoch and trigger), where ranks were at different ones.
+    positions: dict[int, str]
+
     def __init__(
         self,
         *,
@@ -84,7 +110,7 @@ class RankDivergenceError(GuardError, RuntimeError):
         self.detail = detail
         minority = min(self.groups.values(), key=len) if self.groups else ()
         self.culprits = tuple(culprits) if culprits else tuple(minority)
-        self.how: DivergenceKind = how
+        self.how = how
         self.differences = {f: {k: tuple(v) for k, v in g.items()} for f, g in (differences or {field: groups}).items()}
         self.positions = dict(positions or {})
         if how == "tie":
@@ -114,6 +140,19 @@ class RankDivergenceError(GuardError, RuntimeError):
 class GuardTimeoutError(GuardError, TimeoutError):
     """Some ranks did not reach the guard within its timeout."""
 
+    #: The epoch of the transition whose guard timed out.
+    epoch: int
+    #: The transition's trigger.
+    trigger: str
+    #: The ranks that did not reach the guard.
+    missing: tuple[int, ...]
+    #: What the store last heard from each missing rank (None: nothing).
+    last_seen: dict[int, LastSeen | None]
+    #: The guard's timeout, in seconds.
+    timeout_s: float
+    #: Ranks that reported their own failure meanwhile, and what they said.
+    failed: dict[int, LastSeen]
+
     def __init__(
         self,
         *,
@@ -140,6 +179,19 @@ class GuardTimeoutError(GuardError, TimeoutError):
 
 class PeerLostError(GuardError, ConnectionError):
     """The guard's connection to some ranks broke: their process is probably gone."""
+
+    #: The epoch of the transition whose guard lost its peers.
+    epoch: int
+    #: The transition's trigger.
+    trigger: str
+    #: The ranks the guard lost (empty when the store could not say which).
+    missing: tuple[int, ...]
+    #: What the store last heard from each missing rank (None: nothing).
+    last_seen: dict[int, LastSeen | None]
+    #: The transport's own error, as text.
+    cause: str
+    #: Ranks that reported their own failure meanwhile, and what they said.
+    failed: dict[int, LastSeen]
 
     def __init__(
         self,
@@ -174,6 +226,15 @@ class PeerFailedError(GuardError, RuntimeError):
     those ranks: their own errors are the cause, this one only follows.
     """
 
+    #: The epoch of the transition this rank could not start.
+    epoch: int
+    #: The transition's trigger.
+    trigger: str
+    #: What each failed rank told the store: its transition, its step and its error's type.
+    failed: dict[int, LastSeen]
+    #: The failed ranks, whose own errors are the cause.
+    culprits: tuple[int, ...]
+
     def __init__(
         self, *, epoch: int, trigger: str, failed: Mapping[int, LastSeen], culprits: Sequence[int] | None = None
     ) -> None:
@@ -191,6 +252,13 @@ class PeerFailedError(GuardError, RuntimeError):
 class PeerNeverJoinedError(GuardError, TimeoutError):
     """Some ranks never built their guard (their ``Lifecycle``), so nobody's can be built: it is collective."""
 
+    #: The ranks that never built their guard.
+    missing: tuple[int, ...]
+    #: How long this rank waited for them, in seconds.
+    timeout_s: float
+    #: The lifecycle's name (``LifecycleConfig.name``), or None.
+    name: str | None
+
     def __init__(self, *, missing: Sequence[int], timeout_s: float, name: str | None = None) -> None:
         self.missing = tuple(missing)
         self.timeout_s = timeout_s
@@ -206,6 +274,17 @@ class PeerNeverJoinedError(GuardError, TimeoutError):
 
 class PeerStepFailedError(GuardError, RuntimeError):
     """A step that one rank ran for several (an engine call) failed there; every rank fails with it."""
+
+    #: The epoch of the transition whose shared step failed.
+    epoch: int
+    #: The transition's trigger.
+    trigger: str
+    #: The step's name as traced (``engine.push_weights``).
+    step: str
+    #: The ranks that ran the step for the others and failed.
+    ranks: tuple[int, ...]
+    #: Each of those ranks' error, as text.
+    errors: dict[int, str]
 
     def __init__(self, *, epoch: int, trigger: str, step: str, ranks: Sequence[int], errors: Mapping[int, str]) -> None:
         self.epoch = epoch

@@ -20,6 +20,9 @@ __all__ = [
 class DefinitionError(MilesFsmError, ValueError):
     """The transition table is malformed; raised when it is built."""
 
+    #: Every problem found in the definition, one line each.
+    problems: tuple[str, ...]
+
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = tuple(problems)
         super().__init__("invalid lifecycle definition:\n  - " + "\n  - ".join(self.problems))
@@ -27,6 +30,15 @@ class DefinitionError(MilesFsmError, ValueError):
 
 class TransitionNotAllowed(MilesFsmError, RuntimeError):
     """A trigger was fired in a state that has no arrow for it. Nothing ran."""
+
+    #: The state the trigger was fired in.
+    state: str
+    #: The trigger that has no arrow from ``state``.
+    trigger: str
+    #: The triggers that ``state`` does allow.
+    allowed: tuple[str, ...]
+    #: In FAILED: the error that put the machine there (else None).
+    failure: BaseException | None
 
     def __init__(
         self,
@@ -54,6 +66,11 @@ class TransitionNotAllowed(MilesFsmError, RuntimeError):
 class TransitionCancelled(MilesFsmError, RuntimeError):
     """A transition was abandoned before its guard: no collective was entered."""
 
+    #: The abandoned transition's trigger.
+    trigger: str
+    #: Its epoch.
+    epoch: int
+
     def __init__(self, trigger: str, epoch: int) -> None:
         self.trigger = trigger
         self.epoch = epoch
@@ -65,6 +82,11 @@ class TransitionCancelled(MilesFsmError, RuntimeError):
 
 class ProcessGroupMissingError(MilesFsmError, RuntimeError):
     """The environment says this is one rank of several, but torch.distributed is not initialized."""
+
+    #: The world size the environment announces (``WORLD_SIZE``).
+    world_size: int
+    #: The rank the environment announces (``RANK``), or None.
+    rank: str | None
 
     def __init__(self, *, world_size: int, rank: str | None) -> None:
         self.world_size = world_size
@@ -80,6 +102,11 @@ class ProcessGroupMissingError(MilesFsmError, RuntimeError):
 class ConfigError(MilesFsmError, ValueError):
     """The configuration violates constraints; every violation is listed."""
 
+    #: Every constraint the configuration violates, one line each.
+    violations: tuple[str, ...]
+    #: What was configured (``LifecycleConfig``, ``TrainerConfig``, ...).
+    what: str
+
     def __init__(self, violations: Sequence[str], what: str = "configuration") -> None:
         self.violations = tuple(violations)
         self.what = what
@@ -91,6 +118,15 @@ class ConfigError(MilesFsmError, ValueError):
 
 class MemoryReleasedError(MilesFsmError, RuntimeError):
     """Work was asked of memory that is released (or came back without its contents)."""
+
+    #: Who was asked the work (``trainer``, an engine's name).
+    owner: str
+    #: The work that was refused (``train_step``, ``generate``, ...).
+    op: str
+    #: The memory tags that are not usable, sorted.
+    tags: tuple[str, ...]
+    #: Why they are not usable ("" : they are released).
+    reason: str
 
     def __init__(self, *, owner: str, op: str, tags: Sequence[str], reason: str = "") -> None:
         self.owner = owner
@@ -106,6 +142,19 @@ class MemoryReleasedError(MilesFsmError, RuntimeError):
 
 class RankFailedError(MilesFsmError, RuntimeError):
     """A task waited for a state, and the rank went FAILED instead."""
+
+    #: The rank that went FAILED.
+    rank: int
+    #: The state the task was waiting for.
+    waiting_for: str
+    #: The trigger whose transition failed.
+    trigger: str
+    #: Its epoch.
+    epoch: int
+    #: The step that failed, as traced (None: its guard).
+    step: str | None
+    #: The failure's error, as text.
+    cause: str
 
     def __init__(self, *, rank: int, waiting_for: str, trigger: str, epoch: int, step: str | None, cause: str) -> None:
         self.rank = rank

@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup, Store
 
 from miles_fsm.errors import (
     GuardTimeoutError,
@@ -32,7 +33,7 @@ from miles_fsm.errors import (
     RankDivergenceError,
 )
 from miles_fsm.guard.disagreement import explain_divergence
-from miles_fsm.guard.publisher import Publisher, Sighting, note_on, read_record, record, warn_each
+from miles_fsm.guard.publisher import Publisher, Sighting, note_on, read_record, record, said_failed, warn_each
 from miles_fsm.guard.roll import roll_call
 from miles_fsm.guard.store import default_store, env_world_size, group_namespace, stable_hash
 from miles_fsm.plan import Intent
@@ -60,16 +61,16 @@ class Guard:
         *,
         rank: int,
         world: int,
-        group: Any,
-        store: Any,
+        group: ProcessGroup | None,
+        store: Store | None,
         timeout_s: float,
         name: str | None = None,
     ) -> None:
         self.rank = rank
         self.world = world
         self.timeout_s = timeout_s
-        self._group = group
-        self._store = store
+        self._group: Any = group  # loosely typed inside: set whenever world > 1, the only case that uses it
+        self._store: Any = store  # and torch's Store stubs take str values where this guard writes bytes
         self._buf = torch.zeros(2, dtype=torch.int64)
         self._view = self._buf.numpy()  # element access through numpy costs ~0.1 us, torch's ~2 us
         # Its store keys follow from what every rank of its group shares (its global ranks, the
@@ -95,7 +96,7 @@ class Guard:
         return cls(rank=0, world=1, group=None, store=None, timeout_s=0.0)
 
     @classmethod
-    def from_default_group(cls, *, timeout_s: float, store: Any | None = None, name: str | None = None) -> Guard:
+    def from_default_group(cls, *, timeout_s: float, store: Store | None = None, name: str | None = None) -> Guard:
         """Build a guard over the default process group. Collective: every rank calls it.
 
         The guard gets its own gloo group, so it never queues behind (or
@@ -105,7 +106,7 @@ class Guard:
 
     @classmethod
     def from_group(
-        cls, group: Any = None, *, timeout_s: float, store: Any | None = None, name: str | None = None
+        cls, group: ProcessGroup | None = None, *, timeout_s: float, store: Store | None = None, name: str | None = None
     ) -> Guard:
         """Build a guard over ``group`` (None: the default group). Collective over the group's ranks.
 
@@ -138,9 +139,9 @@ class Guard:
         return self.world > 1
 
     @property
-    def group(self) -> Any:
+    def group(self) -> ProcessGroup | None:
         """The gloo process group the guard's collectives run on (None: world size 1)."""
-        return self._group
+        return cast("ProcessGroup | None", self._group)
 
     def close(self) -> None:
         """Stop the thread that publishes this rank's arrivals, and join it. Idempotent.
@@ -361,11 +362,11 @@ class Guard:
             # This rank is here, whatever the store says (it may have refused our arrival).
             missing = [r for r in range(self.world) if r != self.rank and not self._arrived(intent, seen[r])]
             # Stop waiting once every rank that has not arrived has said it failed: none will come.
-            if not missing or all(_failed(seen[r]) for r in missing) or time.monotonic() >= deadline:
+            if not missing or all(said_failed(seen[r]) for r in missing) or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
         # Ranks that published a failure are not missing: they stopped on their own, and are named as failed.
-        return [r for r in missing if not _failed(seen[r])], [r for r in missing if _failed(seen[r])], seen
+        return [r for r in missing if not said_failed(seen[r])], [r for r in missing if said_failed(seen[r])], seen
 
     def _best_sighting(self, rank: int, stored: Sighting | None) -> LastSeen | None:
         """The store's record if it is a failure; else the last guard all ranks passed together
@@ -394,7 +395,3 @@ class Guard:
             by_rep[rep] = box[0]
         intents = [by_rep[representative[row]] for row in rows]
         return explain_divergence(intents, previous=self._agreed.get(intent.trigger))
-
-
-def _failed(sighting: Sighting | None) -> bool:
-    return sighting is not None and sighting.failed

@@ -30,6 +30,7 @@ __all__ = [
     "phase_text",
     "read_record",
     "record",
+    "said_failed",
     "warn_each",
 ]
 
@@ -98,6 +99,11 @@ class Sighting:
     def body(self) -> dict[str, Any]:
         """As ``read_record`` takes it back (a failure's report carries it to the other survivors)."""
         return {**dataclasses.asdict(self.seen), "status": self.status}
+
+
+def said_failed(sighting: Sighting | None) -> bool:
+    """Whether the store holds a failure for the rank (None: it holds nothing of it)."""
+    return sighting is not None and sighting.failed
 
 
 def read_record(body: dict[str, Any], *, rank: int | None = None) -> Sighting:

@@ -69,6 +69,11 @@ _TERM_GRACE_S = 2.0
 class LauncherLostError(MilesFsmError, RuntimeError):
     """The process that launched this rank is gone, so nobody will collect it: the rank stops."""
 
+    #: The rank that stopped.
+    rank: int
+    #: The process id of the launcher that died.
+    launcher_pid: int
+
     def __init__(self, *, rank: int, launcher_pid: int) -> None:
         self.rank = rank
         self.launcher_pid = launcher_pid
@@ -99,6 +104,15 @@ class RankStoppedError(MilesFsmError, RuntimeError):
     launcher got, for ``StopReason.SIGNAL``; ``failed`` the ranks whose
     failure stopped the run, for ``StopReason.PEER_FAILED``.
     """
+
+    #: The rank the launcher stopped.
+    rank: int
+    #: Why the launcher stopped it.
+    reason: StopReason
+    #: The signal the launcher got (``SIGTERM``), for ``StopReason.SIGNAL``; else None.
+    signal: str | None
+    #: The ranks whose failure stopped the run, for ``StopReason.PEER_FAILED``.
+    failed: tuple[int, ...]
 
     def __init__(self, *, rank: int, reason: StopReason | str, signal: str | None = None,
                  failed: Sequence[int] = ()) -> None:  # fmt: skip
