@@ -80,12 +80,11 @@ def _loop(st: FoldState, source: Iterable[tuple[list[bytes], bool]], epochs: Epo
     h: HotRecord | RecordView
     # The open transition: line (0: none), epoch, sig, guard (-1: none yet), guard wait, phase, transition_started;
     # what its records carry (epoch, state, trigger; None: none open), its planned steps, the next, the one running;
-    # offset: seq - line + lines skipped; it never falls from one record to the next unless the lines are disordered.
+    # the epoch committed last and the one started last (None: not known, under --epoch).
     cur_line, cur_epoch, cur_sig, cur_guard, cur_wait_s, cur_phase, cur_raw = 0, -1, 0, -1, 0.0, "", b""
-    cur, steps, step_i, next_step, act_open = None, (), 0, None, None
-    committed = started = st.committed  # the epoch committed last, and the one started last (None: not known)
+    cur, steps, step_i, next_step, act_open, committed, started = None, (), 0, None, None, st.committed, st.committed
     last_action_line, last_action, last_action_event, last_parsed_line, last_raw, prev_raw = 0, None, "", 0, b"", b""
-    offset, skipped, lineno, last_mono = -1, 0, 0, -I64
+    offset, skipped, lineno, last_mono = -1, 0, 0, -I64  # offset: seq - line + lines skipped; never falls in order
     for lines, complete in source:
         for line in lines:
             lineno += 1
