@@ -95,12 +95,12 @@ def _variant(
             emit("guard_passed", epoch, state.value, trig, duration_s=guard_s)
         for step in steps:
             emit("action_started", epoch, state.value, trig, action=step, mem_before=1 << 30)
+            if step == "verify":  # inside its step, in the source state, as Lifecycle writes it
+                emit("verified", epoch, state.value, trig, tensors=42, scheme="chunked-sha256/v2", waited_s=0.0)
             d = rnd.lognormvariate(-6.0, 0.3) * (slow if t.trigger is Trigger.REMATERIALIZE else 1.0)
             tick(d)
             emit("action_finished", epoch, state.value, trig, action=step, duration_s=d, bytes_moved=1 << 24,
                  host_bytes=None, mem_before=1 << 30, mem_after=1 << 29)
-        if t.trigger is Trigger.RESUME:
-            emit("verified", epoch, t.dest.value, trig, tensors=42)
         tick(2e-5)
         emit("transition_finished", epoch, t.dest.value, trig, source=state.value, duration_s=(mono - t0) / 1e9)
         state = t.dest

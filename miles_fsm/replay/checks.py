@@ -25,13 +25,14 @@ MAX_DEPTH = 16
 
 _NAMES = ("event", "state", "trigger", "run", "error", "message", "transport", "action", "phase", "where",
           "source", "dest", "after", "field", "detail", "how")  # fmt: skip
+_NAME_SET = frozenset(_NAMES)
 _RANK_LISTS = ("culprits", "missing")
 
 
 def invalid(rec: Mapping[str, Any]) -> str | None:
     """Why a record cannot be read as the schema says (which field, what it holds), or None."""
-    for key in _NAMES:
-        v = rec.get(key)
+    for key in _NAME_SET.intersection(rec):
+        v = rec[key]
         if v is not None and v.__class__ is not str:
             return f"{key} holds {_kind(v)}, not a string"
     for key in ("epoch", "seq"):
@@ -59,7 +60,7 @@ def invalid(rec: Mapping[str, Any]) -> str | None:
             why = _ranks_field(fields, key)
             if why is not None:
                 return f"fields.{why}"
-    if _depth(rec, MAX_DEPTH) > MAX_DEPTH:
+    if (rec.__class__ is dict or rec.__class__ is list) and _depth(rec, MAX_DEPTH) > MAX_DEPTH:
         return f"nested deeper than {MAX_DEPTH} levels"
     return None
 
@@ -67,19 +68,27 @@ def invalid(rec: Mapping[str, Any]) -> str | None:
 def schema_problem(event: str, rec: Mapping[str, Any]) -> str | None:
     """Why a record of schema v2 does not hold what the schema gives its event (a field missing, or of another
     type), or None. Fields beyond the schema's are allowed: a host's bound context adds its own."""
-    for key, ok, what in _COMMON:
-        if key not in rec:
-            return f"{key} is missing"
-        if not ok(rec[key]):
-            return f"{key} holds {_kind(rec[key])}, not {what}"
+    g = rec.get
+    if not (_int(g("v")) and g("run").__class__ is str and _int(g("rank")) and _int(g("world")) and _int(g("epoch"))
+            and _int(g("seq")) and _int(g("mono_ns")) and _number(g("wall")) and "state" in rec and "trigger" in rec
+            and _name_or_null(rec["state"]) and _name_or_null(rec["trigger"])):  # fmt: skip
+        return _common_problem(rec)
     for key, ok, what in _FIELDS.get(event, ()):
         if key not in rec:
             return f"{key} is missing (every {event} record has it)"
         if not ok(rec[key]):
             return f"{key} holds {_kind(rec[key])}, not {what}"
-    return invalid(rec)
+    # Fields beyond the schema's may be anything a host binds, or a name, a rank list, an error's facts.
+    return None if rec.keys() <= _KNOWN.get(event, _NO_KEYS) else invalid(rec)
 
 
+def _common_problem(rec: Mapping[str, Any]) -> str | None:
+    for key, ok, what in _COMMON:
+        if key not in rec:
+            return f"{key} is missing"
+        if not ok(rec[key]):
+            return f"{key} holds {_kind(rec[key])}, not {what}"
+    return None
 
 
 def machine_problem(described: Any) -> str | None:
@@ -177,6 +186,11 @@ _FIELDS: dict[str, tuple[_Field, ...]] = {
 }
 
 
+_NO_KEYS: frozenset[str] = frozenset()
+#: Event -> every field its records carry, when they carry nothing else: the checks above are then the whole check.
+_KNOWN = {e: frozenset(k for k, _, _ in (*_COMMON, *f)) | {"event"} for e, f in _FIELDS.items()}
+
+
 def bad_action(rec: Mapping[str, Any]) -> str | None:
     """Why an action record (read by orjson: it has keys ``Lifecycle`` does not write) is not one, or None."""
     if rec.get("action").__class__ is not str:
@@ -247,11 +261,11 @@ def _strings(v: Any) -> bool:
 def _depth(v: Any, limit: int) -> int:
     if limit < 0:
         return 1
-    if isinstance(v, dict):
-        return 1 + max((_depth(x, limit - 1) for x in v.values()), default=0)
-    if isinstance(v, list):
-        return 1 + max((_depth(x, limit - 1) for x in v), default=0)
-    return 0
+    deepest = 0
+    for x in v.values() if v.__class__ is dict else v:
+        if (x.__class__ is dict or x.__class__ is list) and (d := _depth(x, limit - 1)) > deepest:
+            deepest = d
+    return 1 + deepest
 
 
 def _kind(v: Any) -> str:
