@@ -98,9 +98,10 @@ def test_a_transition_started_at_an_epoch_the_rank_cannot_be_at_is_damage(tmp_pa
     never_ok(capsys, tmp_path, "epoch 999")
 
 
-@pytest.mark.parametrize("event", EVENTS)
+@pytest.mark.parametrize("event", [e for e in EVENTS if e != "demo_step"])
 def test_a_record_without_its_state_is_never_ok(tmp_path, capsys, event):
-    """`state` removed from a record of any event: the schema gives it to every record."""
+    """`state` removed from a record of any schema event: the schema gives it to every one (a driver's own event
+    may leave it out, as it may ``epoch`` and ``trigger``: the tracer does not stamp them)."""
     verified_run(tmp_path)
     edit(tmp_path / "rank-1.jsonl", event, lambda r: {k: v for k, v in r.items() if k != "state"})
     never_ok(capsys, tmp_path)

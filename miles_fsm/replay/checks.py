@@ -69,6 +69,8 @@ def schema_problem(event: str, rec: Mapping[str, Any]) -> str | None:
     """Why a record of schema v2 does not hold what the schema gives its event (a field missing, or of another
     type), or None. Fields beyond the schema's are allowed: a host's bound context adds its own."""
     g = rec.get
+    if event not in _FIELDS:  # a driver's own event: the tracer's stamps; the writer's fields, if it gives them
+        return _common_problem(rec, _GIVEN) or invalid(rec)
     if not (_int(g("v")) and g("run").__class__ is str and _int(g("rank")) and _int(g("world")) and _int(g("epoch"))
             and _int(g("seq")) and _int(g("mono_ns")) and _number(g("wall")) and "state" in rec and "trigger" in rec
             and _name_or_null(rec["state"]) and _name_or_null(rec["trigger"])):  # fmt: skip
@@ -82,9 +84,11 @@ def schema_problem(event: str, rec: Mapping[str, Any]) -> str | None:
     return None if rec.keys() <= _KNOWN.get(event, _NO_KEYS) else invalid(rec)
 
 
-def _common_problem(rec: Mapping[str, Any]) -> str | None:
+def _common_problem(rec: Mapping[str, Any], optional: tuple[str, ...] = ()) -> str | None:
     for key, ok, what in _COMMON:
         if key not in rec:
+            if key in optional:
+                continue
             return f"{key} is missing"
         if not ok(rec[key]):
             return f"{key} holds {_kind(rec[key])}, not {what}"
@@ -157,6 +161,8 @@ _N, _NN, _I, _IN, _NUM = (_name, "a name"), (_name_or_null, "a name or null"), (
 _COMMON: tuple[_Field, ...] = (("v", *_I), ("run", *_N), ("rank", *_I), ("world", *_I), ("epoch", *_I),
                                ("seq", *_I), ("mono_ns", *_I), ("wall", *_NUM), ("state", *_NN),
                                ("trigger", *_NN))  # fmt: skip
+#: Given by the writer, not stamped by the tracer: a driver's own event may leave them out.
+_GIVEN = ("epoch", "state", "trigger")
 _ERROR_FIELDS: tuple[_Field, ...] = (("error", *_N), ("message", *_N))
 #: Event -> its own fields, as the schema (``EVENTS``) names them and the writers write them.
 _FIELDS: dict[str, tuple[_Field, ...]] = {

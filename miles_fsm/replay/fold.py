@@ -134,7 +134,7 @@ def _loop(st: FoldState, source: Iterable[tuple[list[bytes], bool]], epochs: Epo
                 next_step = steps[0] if steps else None
             elif event == TRANSITION_FINISHED:
                 if st.finished(lineno, rec, line, h, pending, (cur_line, cur_wait_s, cur_epoch, cur_sig, cur_guard),
-                               (cur, steps, step_i, act_open)):  # fmt: skip
+                               (cur, steps, step_i, act_open, cur_phase)):  # fmt: skip
                     skipped += 1
                     continue
                 cur_line, machine, pending, cur, committed = 0, h.state, None, None, cur_epoch if cur_line else committed

@@ -123,10 +123,12 @@ class Moves(Consistency):
             guards(guard if guard >= 0 else 0)
             work_s(duration - wait_s if duration.__class__ is float else math.nan)
             outcome(FINISHED)
-            cur, steps, step_i, act_open = at
+            cur, steps, step_i, act_open, phase = at
             if (h.epoch, h.source, h.trigger) != cur or act_open is not None or step_i != len(steps) or (
-                    duration is UNSET):  # fmt: skip
+                    duration is UNSET or phase == "guard"):  # fmt: skip
                 self.odd(lineno, h, cur, steps, steps[step_i] if step_i < len(steps) else None, act_open)
+                if phase == "guard":
+                    self.count(STEP, lineno, f"{cur[2]} finished, but its guard never passed")
         if not cur_line or (pending is not None and state != pending):
             position, rec = len(self.t.outcome) - 1, rec if rec is not None else orjson.loads(line)
             if not cur_line:
