@@ -179,6 +179,8 @@ class Consistency:
         t = self.t
         out = [Damage(path=path, line=line, records=n, reason=f"{n} record(s) {kind}: {detail}")
                for kind, (n, line, detail) in self.kinds.items()]  # fmt: skip
+        if not t.opened and t.records:
+            out.append(Damage(path=path, line=0, records=0, reason="no trace_opened: its writer writes one first"))
         if self.table is None and t.positions and TABLE not in self.kinds and t.opened:
             out.append(Damage(path=path, line=0, records=0, reason=f"no machine table in trace_opened: its "
                               f"{t.positions} transition(s) are not checked for legality"))  # fmt: skip

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from miles_fsm.replay.checks import I64, label, plain_int
-from miles_fsm.replay.consistency import STEP, Consistency
+from miles_fsm.replay.consistency import STEP, TRIGGER, Consistency
 from miles_fsm.replay.hot import UNSET
 from miles_fsm.replay.model import FINISHED, Illegal
 from miles_fsm.trace.schema import GUARD_ENTERED, GUARD_PASSED
@@ -32,6 +32,8 @@ class Moves(Consistency):
     guard_ids: dict[tuple[Any, ...], int]
     checked: dict[tuple[str | None, int], str | None]
     _columns: tuple[Any, ...]
+    #: A guard outside any transition (a step's, ``agree_on``) was entered and has not passed or failed.
+    step_guard: bool
 
     bad: Callable[[int, str, bytes], None]
     new_sig: Callable[[tuple[Any, ...], int, bytes], int]
@@ -60,9 +62,15 @@ class Moves(Consistency):
         g, phase, wait, step_i, act_open = now
         if cur is None:  # a step outside the lifecycle (``agree_on``): the machine's state, the rank's epoch
             self.outside(lineno, event, (h.epoch, h.state, h.trigger, True), where)
-            if event == GUARD_ENTERED and h.key.__class__ is not int:
-                self.bad(lineno, "not a trace record: key is not a 64-bit integer", line)
+            if (h.key.__class__ is not int or h.collectives is UNSET or h.tensors is UNSET if event == GUARD_ENTERED
+                    else h.duration_s is UNSET):  # fmt: skip
+                self.bad(lineno, f"not a trace record: a {event} without a field the schema gives it", line)
                 return None
+            if h.trigger.__class__ is not str:
+                self.count(TRIGGER, lineno, f"{event} outside any transition names no step")
+            if self.step_guard == (event == GUARD_ENTERED):  # entered twice, or passed without entering
+                self.count(STEP, lineno, f"{event} of {h.trigger}, outside any transition, out of its guard's order")
+            self.step_guard = event == GUARD_ENTERED
             return g, phase, wait
         steps_ok = phase == "guard" if event == GUARD_PASSED else g < 0 and not step_i and act_open is None
         if (h.epoch, h.state, h.trigger) != cur or not steps_ok or (

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from miles_fsm.replay.checks import bad_action, bad_guard, bad_sig, invalid, label, plain_int, schema_problem, unfit
+from miles_fsm.replay.consistency import STEP
 from miles_fsm.replay.files import preview
 from miles_fsm.replay.fold_moves import Moves, known_id
 from miles_fsm.replay.model import (
@@ -72,7 +73,7 @@ class FoldState(Moves):
 
     __slots__ = ("t", "path", "epochs", "want_run", "run0", "world0", "foreign", "sig_ids", "guard_ids", "checked",
                  "table", "machine", "pending", "first_rec", "closed_line", "closed_skipped", "_columns", "at", "kinds",
-                 "committed")  # fmt: skip
+                 "committed", "step_guard")  # fmt: skip
 
     def __init__(self, t: RankTrace, path: Path, epochs: EpochRange | None, want_run: str | None,
                  run_known: bool) -> None:  # fmt: skip
@@ -93,6 +94,7 @@ class FoldState(Moves):
         self.pending: str | None = None
         self.first_rec: dict[str, Any] | None = None
         self.kinds: dict[str, list[Any]] = {}
+        self.step_guard = False
         # The epoch committed last (0 before any transition; None: not known, with --epoch), and where a rare
         # record finds the fold (``Consistency.at``).
         self.committed: int | None = 0 if epochs is None else None
@@ -222,6 +224,8 @@ class FoldState(Moves):
             return 0
         if event == TRANSITION_FAILED or event == TRANSITION_CANCELLED:
             return self._ended(event, rec, lineno, opened, len(t.outcome) - 1)
+        if event == GUARD_FAILED and not cur_line:
+            self.step_guard = False
         if event in (GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE):
             t.note(bool(cur_line), lineno, event, rec)
         elif event == RECOVERED:
@@ -229,6 +233,8 @@ class FoldState(Moves):
         elif event == TRACE_OPENED:
             return self._opened(rec)
         elif event == TRACE_CLOSED:
+            if self.step_guard and rec.get("clean") is True:
+                self.count(STEP, lineno, "trace_closed clean while a step's guard had not passed")
             t.closed, self.closed_line, self.closed_skipped = rec, lineno, skipped
             if prev_raw:
                 t.note_before_close(orjson.loads(prev_raw))
