@@ -60,7 +60,7 @@ def invalid(rec: Mapping[str, Any]) -> str | None:
             why = _ranks_field(fields, key)
             if why is not None:
                 return f"fields.{why}"
-    if (rec.__class__ is dict or rec.__class__ is list) and _depth(rec, MAX_DEPTH) > MAX_DEPTH:
+    if _depth(rec, MAX_DEPTH) > MAX_DEPTH:
         return f"nested deeper than {MAX_DEPTH} levels"
     return None
 

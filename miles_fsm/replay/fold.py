@@ -116,8 +116,9 @@ def _loop(st: FoldState, source: Iterable[tuple[list[bytes], bool]], epochs: Epo
                     skipped += 1
                     continue
                 if (h.epoch, h.state, h.trigger) != cur or (act != next_step or act_open is not None or h.mem_before is UNSET
-                                                            if event == ACTION_STARTED else act != act_open or UNSET in (
-                        h.duration_s, h.bytes_moved, h.host_bytes, h.mem_before, h.mem_after)):  # fmt: skip
+                                                            if event == ACTION_STARTED else act != act_open or h.mem_after
+                        is UNSET or h.duration_s is UNSET or h.bytes_moved is UNSET or h.host_bytes is UNSET
+                        or h.mem_before is UNSET):  # fmt: skip
                     st.odd(lineno, h, cur, steps, next_step, act_open)
                 if event == ACTION_STARTED or act != act_open:
                     act_open = act if event == ACTION_STARTED else None
@@ -129,9 +130,8 @@ def _loop(st: FoldState, source: Iterable[tuple[list[bytes], bool]], epochs: Epo
                                       (cur_line, cur_epoch, cur_sig, cur_guard, cur_phase))) is None:  # fmt: skip
                     skipped += 1
                     continue
-                cur_line, cur_epoch, cur_sig, cur, steps, machine, pending = new
+                cur_line, cur_epoch, cur_sig, cur, steps, next_step, machine, pending = new
                 cur_guard, cur_wait_s, cur_phase, cur_raw, step_i, act_open, started = -1, 0.0, "planning", line, 0, None, cur_epoch
-                next_step = steps[0] if steps else None
             elif event == TRANSITION_FINISHED:
                 if st.finished(lineno, rec, line, h, pending, (cur_line, cur_wait_s, cur_epoch, cur_sig, cur_guard),
                                (cur, steps, step_i, act_open, cur_phase)):  # fmt: skip

@@ -27,12 +27,12 @@ __all__ = ["Moves", "known_id"]
 class Moves(Consistency):
     """``FoldState``'s transitions and guards (its attributes are ``FoldState``'s)."""
 
-    __slots__ = ()
+    __slots__ = ("step_guard",)
     sig_ids: dict[tuple[Any, ...], int]
     guard_ids: dict[tuple[Any, ...], int]
     checked: dict[tuple[str | None, int], str | None]
     _columns: tuple[Any, ...]
-    #: A guard outside any transition (a step's, ``agree_on``) was entered and has not passed or failed.
+    #: A guard outside any transition (a step's, ``agree_on``) was entered, and not passed or failed.
     step_guard: bool
 
     bad: Callable[[int, str, bytes], None]
@@ -41,8 +41,8 @@ class Moves(Consistency):
 
     def started(self, h: Any, rec: dict[str, Any] | None, lineno: int, line: bytes, machine: str | None,
                 committed: int | None, opened: tuple[Any, ...]) -> tuple[Any, ...] | None:  # fmt: skip
-        """``transition_started``: the fold's new (line, epoch, sig id, (epoch, state, trigger), steps, machine,
-        pending state); None if the record is no transition (a bad line)."""
+        """``transition_started``: the fold's new (line, epoch, sig id, (epoch, state, trigger), steps, first step,
+        machine, pending state); None if the record is no transition (a bad line)."""
         sig = (h.trigger, h.state, h.dest, tuple(planned) if (planned := h.steps).__class__ is list else None)
         sig_id = self.sig_ids.get(sig, -1) if rec is None else known_id(self.sig_ids, sig)  # a HotRecord's hashes
         if sig_id < 0 and (sig_id := self.new_sig(sig, lineno, line)) < 0:
@@ -54,7 +54,7 @@ class Moves(Consistency):
         machine = sig[1] if machine is None else machine
         pending = sig[2] if self.table is None else (
             self.checked.get((machine, sig_id)) or self.moves(machine, sig_id, sig, lineno, rec, line))  # fmt: skip
-        return lineno, epoch, sig_id, (epoch, sig[1], sig[0]), sig[3], machine, pending
+        return lineno, epoch, sig_id, (epoch, sig[1], sig[0]), sig[3], sig[3][0] if sig[3] else None, machine, pending
 
     def guard(self, event: str, h: Any, rec: dict[str, Any] | None, lineno: int, line: bytes, cur: Any,
               now: tuple[Any, ...], where: tuple[Any, ...]) -> tuple[int, str, float] | None:  # fmt: skip

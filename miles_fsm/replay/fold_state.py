@@ -73,7 +73,7 @@ class FoldState(Moves):
 
     __slots__ = ("t", "path", "epochs", "want_run", "run0", "world0", "foreign", "sig_ids", "guard_ids", "checked",
                  "table", "machine", "pending", "first_rec", "closed_line", "closed_skipped", "_columns", "at", "kinds",
-                 "committed", "step_guard")  # fmt: skip
+                 "committed")  # fmt: skip
 
     def __init__(self, t: RankTrace, path: Path, epochs: EpochRange | None, want_run: str | None,
                  run_known: bool) -> None:  # fmt: skip
