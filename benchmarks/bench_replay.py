@@ -198,9 +198,12 @@ def bench(ranks: int, transitions: int, workers: int | None, keep: Path | None, 
                         d_lines = got
                 cpu[side].append(time.process_time() - c0)
                 wall[side].append(time.perf_counter() - w0)
-            # The same diagnosis, but for the directory's name in the files' paths.
+            # The same diagnosis, but for the directory's name in the files' paths, and the note that the lines
+            # alone cannot prove an unseen edit (which only the read without indexes gives).
+            alone = d_lines.to_json()
+            alone["notes"] = [n for n in alone["notes"] if not n.startswith("not provable without the index")]
             if orjson.dumps(d.to_json()).replace(b"/indexed/", b"/") != \
-                    orjson.dumps(d_lines.to_json()).replace(b"/lines/", b"/"):  # fmt: skip
+                    orjson.dumps(alone).replace(b"/lines/", b"/"):  # fmt: skip
                 raise RuntimeError("replay from the indexes and replay from the lines disagree")
             for side in ("indexed", "lines"):
                 w0 = time.perf_counter()

@@ -28,8 +28,16 @@ disorder or a duplicate, or another run). Then it returns False and the
 reader sorts the records first: the check costs a few integer operations
 per record.
 
+Every record is also held to what its writer could have written there
+(``miles_fsm.replay.consistency``): its transition's epoch, state and
+trigger, its planned steps in order, the epoch and state of the rank
+outside a transition, a clock that never goes back. The loop makes the one
+comparison that holds in a healthy trace; only a record that fails it
+costs more.
+
 The loop here holds only what nearly every line takes; the rare records,
-the bad lines and the end of a file are ``miles_fsm.replay.fold_state``'s.
+the bad lines and the end of a file are ``miles_fsm.replay.fold_state``'s,
+the transitions and guards ``miles_fsm.replay.fold_moves``'.
 A line orjson read is seen through a ``RecordView``, so the loop reads the
 same fields of either kind of line.
 """

@@ -7,9 +7,12 @@ their types on the way. Only a record of exactly the shape ``Lifecycle``
 writes decodes here: an unknown field, a value of another type, an integer
 orjson would not read as one (beyond 64 bits) all fail, and the fold then
 reads the line with orjson as before, so a damaged or hostile line is judged
-by the one reader it always was. The identity fields (``v``, ``run``,
-``rank``, ``world``) come with every record, so the fold checks them on
-every record at the cost of a few comparisons.
+by the one reader it always was. The fields every record carries are
+required (a record without one is read by orjson, whose schema check names
+it); an event's own fields are ``UNSET`` when absent, which the fold tells
+from null. The identity fields (``v``, ``run``, ``rank``, ``world``) come
+with every record, so the fold checks them on every record at the cost of
+a few comparisons.
 """
 
 from __future__ import annotations
