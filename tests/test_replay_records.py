@@ -207,3 +207,23 @@ def test_a_run_without_its_index_says_what_is_not_provable(tmp_path, capsys):
         write_index(tmp_path / f"rank-{r}.jsonl", r)
     code, d = as_json(capsys, str(tmp_path))
     assert (code, d["verdict"]) == (0, "ok") and not any(UNPROVEN in n for n in d["notes"])
+
+
+def test_a_trace_whose_trace_opened_was_renamed_is_damage(tmp_path, capsys):
+    """trace_opened renamed to an event replay does not know (its seq kept, so nothing seems lost): a trace
+    without the record its writer writes first, and so without a machine table, is never ok."""
+    verified_run(tmp_path)
+    edit(tmp_path / "rank-1.jsonl", "trace_opened", lambda r: {**r, "event": "trace_openedx"})
+    never_ok(capsys, tmp_path, "no trace_opened")
+
+
+def test_a_steps_guard_passed_without_being_entered_is_damage(tmp_path, capsys):
+    """The guard of a step outside any transition (the train step's) renamed away: its guard_passed follows
+    no guard_entered."""
+    for r in range(2):
+        w = RankWriter(r, 2, verified=26)
+        w.cycles(1)
+        w.train_guard()
+        w.write(tmp_path)
+    edit(tmp_path / "rank-1.jsonl", "guard_entered", lambda r: {**r, "event": "guard_enteredx"}, nth=1)
+    never_ok(capsys, tmp_path, "out of its guard's order")
