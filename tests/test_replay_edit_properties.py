@@ -132,7 +132,7 @@ def _said(root: Path) -> tuple[int, dict[str, Any] | None]:
     return d.exit_code, orjson.loads(orjson.dumps(d.to_json()))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rank=st.integers(0, WORLD - 1), event=st.sampled_from(EVENTS), nth=st.integers(0, 3),
        pick=st.integers(0, 40), op=st.sampled_from(sorted(OPS)))  # fmt: skip
 # The cases of issue 36 that read ok without an index before every record was checked:
