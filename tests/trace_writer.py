@@ -26,8 +26,11 @@ class RankWriter:
     """Writes one rank's trace in Lifecycle's record layout."""
 
     def __init__(self, rank: int, world: int, *, wall0: float = 1.8e9, strategy: str = "rematerialize",
-                 run: str | None = RUN) -> None:  # fmt: skip
+                 run: str | None = RUN, verified: int | None = None) -> None:  # fmt: skip
         self.rank, self.world, self.run = rank, world, run
+        #: Tensors each ``verify`` step checks, in a ``verified`` record inside it (None: no record, as with
+        #: verification off for the cycle).
+        self.verified = verified
         self.seq = 0
         self.mono = 10**12 + rank * 7_777_777  # per-rank monotonic origin
         self.wall0 = wall0
@@ -93,10 +96,12 @@ class RankWriter:
                 self.fail(source=self.state, phase="step", **step_error, **base)
                 return
             if verify_failed is not None and step == "verify":
-                self.emit("verify_failed", tensors=verify_failed, where="trainer", **base)
+                self.emit("verify_failed", tensors=verify_failed, where="trainer", scheme="chunked-sha256/v2", **base)
                 self.fail(source=self.state, action="verify", phase="step", error="VerificationError",
                           message=f"{len(verify_failed)} trainer tensor(s) differ", **base)
                 return
+            if self.verified is not None and step == "verify":
+                self.emit("verified", tensors=self.verified, scheme="chunked-sha256/v2", waited_s=0.0, **base)
             d = 0.01 * slow
             work += d
             self.emit("action_finished", action=step, duration_s=d, bytes_moved=None, host_bytes=None,

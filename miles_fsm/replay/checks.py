@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["I64", "MAX_DEPTH", "MAX_RANKS", "bad_action", "bad_guard", "bad_sig", "invalid", "label", "plain_int", "unfit"]
+__all__ = ["I64", "MAX_DEPTH", "MAX_RANKS", "bad_action", "bad_guard", "bad_sig", "invalid", "label", "plain_int",
+           "machine_problem", "machine_problem", "schema_problem", "unfit"]  # fmt: skip
 
 #: Integers the reader stores in 64-bit arrays must fit them.
 I64 = 1 << 63
@@ -24,13 +25,14 @@ MAX_DEPTH = 16
 
 _NAMES = ("event", "state", "trigger", "run", "error", "message", "transport", "action", "phase", "where",
           "source", "dest", "after", "field", "detail", "how")  # fmt: skip
+_NAME_SET = frozenset(_NAMES)
 _RANK_LISTS = ("culprits", "missing")
 
 
 def invalid(rec: Mapping[str, Any]) -> str | None:
     """Why a record cannot be read as the schema says (which field, what it holds), or None."""
-    for key in _NAMES:
-        v = rec.get(key)
+    for key in _NAME_SET.intersection(rec):
+        v = rec[key]
         if v is not None and v.__class__ is not str:
             return f"{key} holds {_kind(v)}, not a string"
     for key in ("epoch", "seq"):
@@ -63,6 +65,138 @@ def invalid(rec: Mapping[str, Any]) -> str | None:
     return None
 
 
+def schema_problem(event: str, rec: Mapping[str, Any]) -> str | None:
+    """Why a record of schema v2 does not hold what the schema gives its event (a field missing, or of another
+    type), or None. Fields beyond the schema's are allowed: a host's bound context adds its own."""
+    g = rec.get
+    if event not in _FIELDS:  # a driver's own event: the tracer's stamps; the writer's fields, if it gives them
+        return _common_problem(rec, _GIVEN) or invalid(rec)
+    if not (_int(g("v")) and g("run").__class__ is str and _int(g("rank")) and _int(g("world")) and _int(g("epoch"))
+            and _int(g("seq")) and _int(g("mono_ns")) and _number(g("wall")) and "state" in rec and "trigger" in rec
+            and _name_or_null(rec["state"]) and _name_or_null(rec["trigger"])):  # fmt: skip
+        return _common_problem(rec)
+    for key, ok, what in _FIELDS.get(event, ()):
+        if key not in rec:
+            return f"{key} is missing (every {event} record has it)"
+        if not ok(rec[key]):
+            return f"{key} holds {_kind(rec[key])}, not {what}"
+    # Fields beyond the schema's may be anything a host binds, or a name, a rank list, an error's facts.
+    return None if rec.keys() <= _KNOWN.get(event, _NO_KEYS) else invalid(rec)
+
+
+def _common_problem(rec: Mapping[str, Any], optional: tuple[str, ...] = ()) -> str | None:
+    for key, ok, what in _COMMON:
+        if key not in rec:
+            if key in optional:
+                continue
+            return f"{key} is missing"
+        if not ok(rec[key]):
+            return f"{key} holds {_kind(rec[key])}, not {what}"
+    return None
+
+
+def machine_problem(described: Any) -> str | None:
+    """Why ``trace_opened``'s ``machine`` is not a table ``Definition.describe`` writes, or None: replay
+    re-drives the machine from it, and a table it cannot read would leave every transition unchecked."""
+    if described.__class__ is not dict:
+        return f"it holds {_kind(described)}, not a transition table"
+    initial, failed, states, arrows = (described.get(k) for k in ("initial", "failed", "states", "transitions"))
+    if states.__class__ is not list or not all(x.__class__ is str for x in states) or len(set(states)) != len(states):
+        return "its states are not a list of distinct names"
+    if initial not in states or failed not in states:
+        return "its initial or failed state is not one of its states"
+    if arrows.__class__ is not list:
+        return "its transitions are not a list"
+    seen = set()
+    for a in arrows:
+        if (a.__class__ is not list or len(a) != 4 or a[0] not in states or a[2] not in states
+                or a[1].__class__ is not str or not _names(a[3])):  # fmt: skip
+            return "a transition is not [source, trigger, dest, steps] of its states"
+        if (a[0], a[1]) in seen:
+            return f"two arrows for {a[1]} out of {a[0]}"
+        seen.add((a[0], a[1]))
+    return None
+
+
+def _names(v: Any) -> bool:
+    return v.__class__ is list and all(x.__class__ is str for x in v)
+
+
+def _name(v: Any) -> bool:
+    return v.__class__ is str
+
+
+def _name_or_null(v: Any) -> bool:
+    return v is None or v.__class__ is str
+
+
+def _int(v: Any) -> bool:
+    return plain_int(v) is not None
+
+
+def _int_or_null(v: Any) -> bool:
+    return v is None or plain_int(v) is not None
+
+
+def _count(v: Any) -> bool:
+    return v.__class__ is int and 0 <= v < I64
+
+
+def _number(v: Any) -> bool:
+    return v.__class__ is float or plain_int(v) is not None
+
+
+def _bytes_by_tag(v: Any) -> bool:
+    return v.__class__ is dict and all(plain_int(x) is not None for x in v.values())
+
+
+def _any(v: Any) -> bool:
+    return True
+
+
+_Field = tuple[str, Callable[[Any], bool], str]
+_N, _NN, _I, _IN, _NUM = (_name, "a name"), (_name_or_null, "a name or null"), (_int, "an integer"), \
+    (_int_or_null, "an integer or null"), (_number, "a number")  # fmt: skip
+#: Stamped on every record by the tracer or given by its writer (``COMMON_FIELDS``); ``event`` is known here.
+_COMMON: tuple[_Field, ...] = (("v", *_I), ("run", *_N), ("rank", *_I), ("world", *_I), ("epoch", *_I),
+                               ("seq", *_I), ("mono_ns", *_I), ("wall", *_NUM), ("state", *_NN),
+                               ("trigger", *_NN))  # fmt: skip
+#: Given by the writer, not stamped by the tracer: a driver's own event may leave them out.
+_GIVEN = ("epoch", "state", "trigger")
+_ERROR_FIELDS: tuple[_Field, ...] = (("error", *_N), ("message", *_N))
+#: Event -> its own fields, as the schema (``EVENTS``) names them and the writers write them.
+_FIELDS: dict[str, tuple[_Field, ...]] = {
+    "trace_opened": (("pid", *_IN), ("host", *_NN), ("rotated_to", *_NN)),
+    "transition_started": (("dest", *_N), ("steps", _names, "names")),
+    "transition_cancelled": _ERROR_FIELDS,
+    "guard_entered": (("key", *_I), ("collectives", _names, "names"),
+                      ("tensors", *_NN)),
+    "guard_passed": (("duration_s", *_NUM),),
+    "guard_failed": _ERROR_FIELDS,
+    "action_started": (("action", *_N), ("mem_before", _any, "")),
+    "action_finished": (("action", *_N), ("duration_s", *_NUM), ("bytes_moved", *_IN), ("host_bytes", *_IN),
+                        ("mem_before", _any, ""), ("mem_after", _any, "")),
+    "verified": (("tensors", _count, "a count"), ("scheme", *_N), ("waited_s", *_NUM)),
+    "verify_failed": (("tensors", _names, "names"), ("where", *_N),
+                      ("scheme", *_N)),
+    "transition_finished": (("source", *_N), ("duration_s", *_NUM)),
+    "transition_failed": (("source", *_N), ("action", *_NN), ("phase", *_N), *_ERROR_FIELDS),
+    "cancel_deferred": (("phase", *_NN), ("action", *_NN)),
+    "recovered": (("after", lambda v: v is None or v.__class__ is dict, "an error's facts or null"),),
+    "store_unreachable": _ERROR_FIELDS,
+    "trace_closed": (("clean", lambda v: v.__class__ is bool, "true or false"),),
+    "memory_snapshot": (("device", _bytes_by_tag, "bytes by tag"), ("host", _bytes_by_tag, "bytes by tag"),
+                        ("rss", *_IN)),
+    "memory_drift": (("kind", *_N), ("tag", *_N), ("at", *_N), ("first_cycle", *_I), ("bytes_per_cycle", *_I),
+                     ("slope", *_NUM), ("grown", *_I), ("policy", *_N)),
+}
+
+
+_NO_KEYS: frozenset[str] = frozenset()
+#: Event -> every field its records carry, when they carry nothing else: the checks above are then the whole check.
+_KNOWN = {e: frozenset(k for k, _, _ in (*_COMMON, *f)) | {"event"} for e, f in _FIELDS.items()}
+
+
 def bad_action(rec: Mapping[str, Any]) -> str | None:
     """Why an action record (read by orjson: it has keys ``Lifecycle`` does not write) is not one, or None."""
     if rec.get("action").__class__ is not str:
@@ -81,7 +215,9 @@ def bad_sig(sig: tuple[Any, ...]) -> str | None:
         return "trigger is not a name"
     if any(x is not None and x.__class__ is not str for x in (source, dest)):
         return "state or dest is not a name"
-    if not all(s.__class__ is str for s in steps):
+    if source is None or dest is None:
+        return "state or dest is missing"
+    if steps.__class__ is not tuple or not all(s.__class__ is str for s in steps):
         return "steps are not names"
     return None
 
@@ -89,7 +225,7 @@ def bad_sig(sig: tuple[Any, ...]) -> str | None:
 def bad_guard(g: tuple[Any, ...]) -> str | None:
     """Why a guard's (key, collectives, tensors) are not what the schema says, or None."""
     key, cols, tensors = g
-    if key is not None and (key.__class__ is not int or not -I64 <= key < 2 * I64):
+    if key.__class__ is not int or not -I64 <= key < 2 * I64:
         return "key is not a 64-bit integer"
     if not all(c.__class__ is str for c in cols) or (tensors is not None and tensors.__class__ is not str):
         return "collectives or tensors are not names"
@@ -131,11 +267,11 @@ def _strings(v: Any) -> bool:
 def _depth(v: Any, limit: int) -> int:
     if limit < 0:
         return 1
-    if isinstance(v, dict):
-        return 1 + max((_depth(x, limit - 1) for x in v.values()), default=0)
-    if isinstance(v, list):
-        return 1 + max((_depth(x, limit - 1) for x in v), default=0)
-    return 0
+    deepest = 0
+    for x in v.values() if v.__class__ is dict else v:
+        if (x.__class__ is dict or x.__class__ is list) and (d := _depth(x, limit - 1)) > deepest:
+            deepest = d
+    return 1 + deepest
 
 
 def _kind(v: Any) -> str:

@@ -51,6 +51,7 @@ from miles_fsm.replay.shapes import (
     TraceProblems,
     VerificationFailure,
 )
+from miles_fsm.replay.verifications import with_verification_damage
 
 __all__ = ["Diagnosis", "Verdict", "diagnose", "rank_ranges"]
 
@@ -141,6 +142,7 @@ def diagnose(
     ``ignored`` and ``warnings``: rank files left out as other runs', and what choosing the run found;
     ``misnamed``: the directory's names that look like rank files' but are not (damage, besides each file's).
     """
+    traces = with_verification_damage(traces)  # what only the ranks together show: damage, as a file's own
     by_rank = {t.rank: t for t in traces}
     world = rank_summary.world_of(traces)
     wanted = sorted(set(range(world)) if expected is None else set(expected))

@@ -28,22 +28,29 @@ disorder or a duplicate, or another run). Then it returns False and the
 reader sorts the records first: the check costs a few integer operations
 per record.
 
+Every record is also held to what its writer could have written there
+(``miles_fsm.replay.consistency``): its transition's epoch, state and
+trigger, its planned steps in order, the epoch and state of the rank
+outside a transition, a clock that never goes back. The loop makes the one
+comparison that holds in a healthy trace; only a record that fails it
+costs more.
+
 The loop here holds only what nearly every line takes; the rare records,
-the bad lines and the end of a file are ``miles_fsm.replay.fold_state``'s.
+the bad lines and the end of a file are ``miles_fsm.replay.fold_state``'s,
+the transitions and guards ``miles_fsm.replay.fold_moves``'.
 A line orjson read is seen through a ``RecordView``, so the loop reads the
 same fields of either kind of line.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from pathlib import Path
 
 from miles_fsm.replay.checks import I64
-from miles_fsm.replay.fold_state import FoldState, OtherRun, known_id
-from miles_fsm.replay.hot import HOT_EVENTS, NOT_HOT, HotRecord, RecordView, decode_hot, hot_errors
-from miles_fsm.replay.model import UNCLOSED, EpochRange, RankTrace
+from miles_fsm.replay.fold_state import FoldState, OtherRun
+from miles_fsm.replay.hot import HOT_EVENTS, NOT_HOT, UNSET, HotRecord, RecordView, decode_hot, hot_errors
+from miles_fsm.replay.model import EpochRange, RankTrace
 from miles_fsm.trace.schema import (
     ACTION_FINISHED,
     ACTION_STARTED,
@@ -54,7 +61,6 @@ from miles_fsm.trace.schema import (
     TRACE_OPENED,
     TRANSITION_FINISHED,
     TRANSITION_STARTED,
-    VERIFIED,
 )
 
 __all__ = ["fold"]
@@ -75,18 +81,18 @@ def fold(
 
 
 def _loop(st: FoldState, source: Iterable[tuple[list[bytes], bool]], epochs: EpochRange | None) -> bool:
-    """``fold``'s loop. It runs once per line of every rank, so its state is in locals (``st``'s copied, and read
-    again after ``st`` changes them); what only the rare records touch (the table, notes, bad lines) is ``st``'s."""
-    hot, rank, version, close = HOT_EVENTS, st.t.rank, SCHEMA_VERSION, st.close
-    sig_ids, guard_ids, checked = st.sig_ids, st.guard_ids, st.checked
-    run0, world0, machine, pending, table = st.run0, st.world0, st.machine, st.pending, st.table
+    """``fold``'s loop, once per line of every rank: its state is in locals; what only the rare records touch is
+    ``st``'s. A record is checked against its transition in one comparison; if it fails, ``st.odd`` says why."""
+    hot, rank, version, run0, world0, machine, pending, table = (HOT_EVENTS, st.t.rank, SCHEMA_VERSION, st.run0,
+                                                                 st.world0, st.machine, st.pending, st.table)
     h: HotRecord | RecordView
-    # The open transition: line (0: none), epoch, sig, guard (-1: none yet), guard wait, phase, transition_started.
+    # The open transition: line (0: none), epoch, sig, guard (-1: none yet), guard wait, phase, transition_started;
+    # what its records carry (epoch, state, trigger; None: none open), its planned steps, the next, the one running;
+    # the epoch committed last and the one started last (None: not known, under --epoch).
     cur_line, cur_epoch, cur_sig, cur_guard, cur_wait_s, cur_phase, cur_raw = 0, -1, 0, -1, 0.0, "", b""
-    last_action_line, last_action, last_action_event, last_parsed_line = 0, None, "", 0
-    last_raw = prev_raw = b""  # the last record's line, and the one before (what a rank did before trace_closed)
-    # offset: seq - line + lines skipped; it never falls from one record to the next unless the lines are disordered.
-    offset, lo, hi, skipped, lineno = -1, -I64, I64, 0, 0
+    cur, steps, step_i, next_step, act_open, committed, started = None, (), 0, None, None, st.committed, st.committed
+    last_action_line, last_action, last_action_event, last_parsed_line, last_raw, prev_raw = 0, None, "", 0, b"", b""
+    offset, skipped, lineno, last_mono = -1, 0, 0, -I64  # offset: seq - line + lines skipped; never falls in order
     for lines, complete in source:
         for line in lines:
             lineno += 1
@@ -109,48 +115,48 @@ def _loop(st: FoldState, source: Iterable[tuple[list[bytes], bool]], epochs: Epo
             if seq.__class__ is not int or (k := seq - lineno + skipped) < offset:
                 return False
             offset, last_parsed_line, prev_raw, last_raw = k, lineno, last_raw, line
+            mono = h.mono_ns
+            last_mono = mono if mono.__class__ is int and last_mono <= mono < I64 else st.clock(lineno, mono, last_mono)
             if epochs is not None and h.epoch not in epochs and event != TRACE_OPENED and event != TRACE_CLOSED:
                 continue
             if event == ACTION_STARTED or event == ACTION_FINISHED:
                 if ((act := h.action).__class__ is not str or rec is not None) and st.bad_act(act, rec, lineno, line):
                     skipped += 1
                     continue
+                if (h.epoch, h.state, h.trigger) != cur or (act != next_step or act_open is not None or h.mem_before is UNSET
+                                                            if event == ACTION_STARTED else act != act_open or h.mem_after
+                        is UNSET or h.duration_s is UNSET or h.bytes_moved is UNSET or h.host_bytes is UNSET
+                        or h.mem_before is UNSET):  # fmt: skip
+                    st.odd(lineno, h, cur, steps, next_step, act_open)
+                if event == ACTION_STARTED or act != act_open:
+                    act_open = act if event == ACTION_STARTED else None
+                else:
+                    step_i, act_open, next_step = step_i + 1, None, steps[step_i + 1] if step_i + 1 < len(steps) else None
                 last_action_line, last_action, last_action_event = lineno, act, event  # what a stopped rank was in
             elif event == TRANSITION_STARTED:
-                sig = (h.trigger, h.state, h.dest, tuple(steps) if (steps := h.steps).__class__ is list else ())
-                sig_id = sig_ids.get(sig, -1) if rec is None else known_id(sig_ids, sig)  # a HotRecord's is hashable
-                if sig_id < 0 and (sig_id := st.new_sig(sig, lineno, line)) < 0:
+                if (new := st.started(h, rec, lineno, line, machine, committed,
+                                      (cur_line, cur_epoch, cur_sig, cur_guard, cur_phase))) is None:  # fmt: skip
                     skipped += 1
                     continue
-                if cur_line:
-                    close(UNCLOSED, math.nan, cur_epoch, cur_sig, cur_guard, cur_phase)
-                cur_epoch = epoch if (epoch := h.epoch).__class__ is int and lo <= epoch < hi else -1
-                cur_line, cur_sig, cur_guard, cur_wait_s, cur_phase, cur_raw = lineno, sig_id, -1, 0.0, "planning", line
-                machine = sig[1] if machine is None else machine
-                pending = sig[2] if table is None else (
-                    checked.get((machine, sig_id)) or st.moves(machine, sig_id, sig, lineno, rec, line))
+                cur_line, cur_epoch, cur_sig, cur, steps, next_step, machine, pending = new
+                cur_guard, cur_wait_s, cur_phase, cur_raw, step_i, act_open, started = -1, 0.0, "planning", line, 0, None, cur_epoch
             elif event == TRANSITION_FINISHED:
-                if st.finished(lineno, rec, line, (state := h.state), h.duration_s, pending, cur_line, cur_wait_s,
-                               cur_epoch, cur_sig, cur_guard):  # fmt: skip
+                if st.finished(lineno, rec, line, h, pending, (cur_line, cur_wait_s, cur_epoch, cur_sig, cur_guard),
+                               (cur, steps, step_i, act_open, cur_phase)):  # fmt: skip
                     skipped += 1
                     continue
-                cur_line, machine, pending = 0, state, None
-            elif event == GUARD_ENTERED:
-                if cur_line:
-                    guard_key = (h.key, tuple(cols) if (cols := h.collectives).__class__ is list else (), h.tensors)
-                    guard_id = guard_ids.get(guard_key, -1) if rec is None else known_id(guard_ids, guard_key)
-                    if guard_id < 0 and (guard_id := st.new_guard(guard_key, lineno, line)) < 0:
-                        skipped += 1
-                        continue
-                    cur_guard, cur_phase = guard_id, "guard"
-            elif event == GUARD_PASSED:
-                if cur_line:
-                    cur_wait_s, cur_phase = (d if (d := h.duration_s).__class__ is float else 0.0), "between steps"
-            elif event == VERIFIED:
-                st.t.verified += 1
+                cur_line, machine, pending, cur, committed = 0, h.state, None, None, cur_epoch if cur_line else committed
+            elif event == GUARD_ENTERED or event == GUARD_PASSED:
+                if (g := st.guard(event, h, rec, lineno, line, cur, (cur_guard, cur_phase, cur_wait_s, step_i, act_open),
+                                  (committed, started, machine))) is None:  # fmt: skip
+                    skipped += 1
+                    continue
+                cur_guard, cur_phase, cur_wait_s = g
             else:
+                st.at = (cur, steps, act_open, committed, started)
                 cur_line, skipped, run0, machine, pending, table = st.rare(
                     event, rec, lineno, line, skipped, prev_raw, machine, pending,
                     (cur_line, cur_epoch, cur_sig, cur_guard, cur_phase))
+                cur = cur if cur_line else None
     return st.end(lineno, skipped, last_parsed_line, last_raw, (cur_line, cur_epoch, cur_sig, cur_guard, cur_phase),
                   cur_raw, (last_action_line, last_action, last_action_event))  # fmt: skip

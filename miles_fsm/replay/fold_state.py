@@ -16,17 +16,17 @@ from typing import Any
 
 import orjson
 
-from miles_fsm.replay.checks import bad_action, bad_guard, bad_sig, invalid, label, plain_int, unfit
+from miles_fsm.replay.checks import bad_action, bad_guard, bad_sig, invalid, label, plain_int, schema_problem, unfit
+from miles_fsm.replay.consistency import STEP
 from miles_fsm.replay.files import preview
+from miles_fsm.replay.fold_moves import Moves, known_id
 from miles_fsm.replay.model import (
     CANCELLED,
     FAILED,
-    FINISHED,
     NO_GUARD,
     OPEN,
     BadLine,
     EpochRange,
-    Illegal,
     MachineTable,
     Position,
     RankTrace,
@@ -43,6 +43,7 @@ from miles_fsm.trace.schema import (
     TRACE_OPENED,
     TRANSITION_CANCELLED,
     TRANSITION_FAILED,
+    VERIFIED,
     VERIFY_FAILED,
 )
 
@@ -67,11 +68,12 @@ _KEPT_WHOLE = frozenset((TRANSITION_FAILED, TRANSITION_CANCELLED, GUARD_FAILED, 
                          RECOVERED, TRACE_CLOSED))  # fmt: skip
 
 
-class FoldState:
-    """One file's fold, beyond the hot loop's locals."""
+class FoldState(Moves):
+    """One file's fold, beyond the hot loop's locals (its transitions: ``Moves``; its checks: ``Consistency``)."""
 
     __slots__ = ("t", "path", "epochs", "want_run", "run0", "world0", "foreign", "sig_ids", "guard_ids", "checked",
-                 "table", "machine", "pending", "first_rec", "closed_line", "closed_skipped", "_columns")  # fmt: skip
+                 "table", "machine", "pending", "first_rec", "closed_line", "closed_skipped", "_columns", "at", "kinds",
+                 "committed")  # fmt: skip
 
     def __init__(self, t: RankTrace, path: Path, epochs: EpochRange | None, want_run: str | None,
                  run_known: bool) -> None:  # fmt: skip
@@ -91,6 +93,12 @@ class FoldState:
         self.machine: str | None = None
         self.pending: str | None = None
         self.first_rec: dict[str, Any] | None = None
+        self.kinds: dict[str, list[Any]] = {}
+        self.step_guard = False
+        # The epoch committed last (0 before any transition; None: not known, with --epoch), and where a rare
+        # record finds the fold (``Consistency.at``).
+        self.committed: int | None = 0 if epochs is None else None
+        self.at: tuple[Any, ...] = (None, (), None, self.committed, self.committed)
         self.closed_line = self.closed_skipped = 0
         # Bound once: ``close`` runs once per transition.
         self._columns = (t.epochs.append, t.sigs.append, t.guards.append, t.work_s.append, t.outcome.extend)
@@ -98,14 +106,15 @@ class FoldState:
     # ------------------------------------------------------------- lines
 
     def parse(self, line: bytes, lineno: int, complete: bool) -> dict[str, Any] | None:
-        """A line that is no hot record: the record, its identity checked; None if skipped."""
+        """A line that is no hot record: the record, its identity and its fields checked; None if skipped.
+        ``OtherRun`` if it is another run's (or comes before any ``trace_opened``)."""
         try:
             rec: dict[str, Any] = orjson.loads(line)
-            rec["event"]  # raises for anything but an object with an event: no trace record
+            event = rec["event"]  # raises for anything but an object with an event: no trace record
         except orjson.JSONDecodeError as exc:
             if not line or line.isspace():
-                return None
-            if complete:
+                self.bad(lineno, "a blank line (no writer writes one)", line)
+            elif complete:
                 self.t.bad.append(bad_line(self.path, lineno, line, complete, exc))
             else:
                 self.t.truncated = bad_line(self.path, lineno, line, complete, exc)
@@ -113,10 +122,16 @@ class FoldState:
         except (KeyError, TypeError, IndexError):
             self.bad(lineno, "not a trace record", line)
             return None
+        if event != TRACE_OPENED and rec.get("run") != self.run0:
+            raise OtherRun  # another run's record (or one before trace_opened): the sorted reader tells
         identity_of = rec.get("v"), rec.get("rank"), rec.get("world")
         if identity_of != (SCHEMA_VERSION, self.t.rank, self.world0) or not all(x.__class__ is int
                                                                                 for x in identity_of):  # fmt: skip
             self.identity(lineno, *identity_of)
+        if identity_of[0] == SCHEMA_VERSION and (why := schema_problem(event, rec) if event.__class__ is str
+                                                 else "event is not a name") is not None:  # fmt: skip
+            self.bad(lineno, f"not a trace record: {why}", line)
+            return None
         return rec
 
     def identity(self, line: int, v: Any, r: Any, world: Any) -> Any:
@@ -173,56 +188,6 @@ class FoldState:
         self.t.guard_table.append(g)
         return guard_id
 
-    # ----------------------------------------------------------- machine
-
-    def illegal(self, line: int, rec: dict[str, Any], reason: str, position: int) -> None:
-        trigger, state = rec.get("trigger"), rec.get("state")
-        self.t.illegal.append(
-            Illegal(rank=self.t.rank, position=position, line=line, seq=rec.get("seq"),
-                    epoch=plain_int(rec.get("epoch")), trigger=label(trigger) if trigger is not None else None,
-                    state=label(state) if state is not None else None, reason=reason)  # fmt: skip
-        )
-
-    def moves(self, machine: str | None, sig_id: int, sig: tuple[Any, ...], lineno: int, rec: dict[str, Any] | None,
-              line: bytes) -> str | None:  # fmt: skip
-        """Where transition ``sig`` takes the machine from ``machine``, as the table says; an illegal one is noted.
-        A legal one is kept per (machine, signature), for the fold to find without a call."""
-        table = self.table
-        assert table is not None  # the fold asks only once trace_opened gave a table
-        trigger, source, dest = sig[0], sig[1], sig[2]
-        verdict = table.forbids(machine, trigger, source, dest, sig[3])
-        arrow: tuple[Any, Any] = (machine, trigger)  # any JSON the record holds: no arrow, unless the table has it
-        legal = table.arrows.get(arrow)
-        goes = legal[0] if legal is not None and machine == source else dest
-        if verdict is None:
-            self.checked[(machine, sig_id)] = goes
-        else:
-            self.illegal(lineno, rec if rec is not None else orjson.loads(line), verdict, len(self.t.outcome))
-        return goes
-
-    def finished(self, lineno: int, rec: dict[str, Any] | None, line: bytes, state: Any, duration: Any,
-                 pending: str | None, cur_line: int, wait_s: float, epoch: int, sig: int,
-                 guard: int) -> bool:  # fmt: skip
-        """``transition_finished``: the open transition closed; one without a start, or in another state than the
-        machine moves to, is illegal. True if the line is bad (skipped)."""
-        if state is not None and state.__class__ is not str:
-            self.bad(lineno, "not a trace record: state is not a name", line)
-            return True
-        if cur_line:  # ``close``, inline: once per transition, a call fewer
-            epochs, sigs, guards, work_s, outcome = self._columns
-            epochs(epoch)
-            sigs(sig)
-            guards(guard if guard >= 0 else 0)
-            work_s(duration - wait_s if duration.__class__ is float else math.nan)
-            outcome(FINISHED)
-        if not cur_line or (pending is not None and state != pending):
-            position, rec = len(self.t.outcome) - 1, rec if rec is not None else orjson.loads(line)
-            if not cur_line:
-                self.illegal(lineno, rec, "transition_finished without transition_started", position)
-            if pending is not None and state != pending:
-                self.illegal(lineno, rec, f"finished in {state}, but the machine moves to {pending}", position)
-        return False
-
     # ------------------------------------------------------- rare records
 
     def rare(self, event: Any, rec: dict[str, Any] | None, lineno: int, line: bytes, skipped: int, prev_raw: bytes,
@@ -251,8 +216,16 @@ class FoldState:
         if event in _KEPT_WHOLE and (why := invalid(rec)) is not None:
             self.bad(lineno, f"not a trace record: {why}", line)
             return _SKIPPED
+        self.check_rare(event, rec, lineno)
+        if event == VERIFIED:
+            t.verified += 1
+            n = plain_int(rec.get("tensors"))  # a count (the schema is checked), unless the record is of another
+            t.verifications.append([len(t.outcome) if cur_line else len(t.outcome) - 1, -1 if n is None else n])
+            return 0
         if event == TRANSITION_FAILED or event == TRANSITION_CANCELLED:
             return self._ended(event, rec, lineno, opened, len(t.outcome) - 1)
+        if event == GUARD_FAILED and not cur_line:
+            self.step_guard = False
         if event in (GUARD_FAILED, VERIFY_FAILED, STORE_UNREACHABLE):
             t.note(bool(cur_line), lineno, event, rec)
         elif event == RECOVERED:
@@ -260,6 +233,8 @@ class FoldState:
         elif event == TRACE_OPENED:
             return self._opened(rec)
         elif event == TRACE_CLOSED:
+            if self.step_guard and rec.get("clean") is True:
+                self.count(STEP, lineno, "trace_closed clean while a step's guard had not passed")
             t.closed, self.closed_line, self.closed_skipped = rec, lineno, skipped
             if prev_raw:
                 t.note_before_close(orjson.loads(prev_raw))
@@ -363,6 +338,7 @@ class FoldState:
         if last_rec is not None:
             t.track(last_rec, last_parsed_line)
         identity_damage(t, self.path, self.world0, self.foreign)
+        t.damaged.extend(self.inconsistencies(str(self.path)))
         return True
 
     def left_open(self, cur_raw: bytes, cur_epoch: int, cur_phase: str, index: int, acted: bool, last_action: Any,
@@ -385,11 +361,3 @@ class FoldState:
             since_mono_ns=plain_int(cur_rec.get("mono_ns")),
         )
         return cur_phase
-
-
-def known_id(ids: dict[tuple[Any, ...], int], key: tuple[Any, ...]) -> int:
-    """``key``'s id in ``ids``, else -1: a line orjson read may hold a list where a name belongs."""
-    try:
-        return ids.get(key, -1)
-    except TypeError:  # unhashable: reported as a bad line by ``new_sig`` or ``new_guard``
-        return -1

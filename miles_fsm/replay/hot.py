@@ -7,9 +7,12 @@ their types on the way. Only a record of exactly the shape ``Lifecycle``
 writes decodes here: an unknown field, a value of another type, an integer
 orjson would not read as one (beyond 64 bits) all fail, and the fold then
 reads the line with orjson as before, so a damaged or hostile line is judged
-by the one reader it always was. The identity fields (``v``, ``run``,
-``rank``, ``world``) come with every record, so the fold checks them on
-every record at the cost of a few comparisons.
+by the one reader it always was. The fields every record carries are
+required (a record without one is read by orjson, whose schema check names
+it); an event's own fields are ``UNSET`` when absent, which the fold tells
+from null. The identity fields (``v``, ``run``, ``rank``, ``world``) come
+with every record, so the fold checks them on every record at the cost of
+a few comparisons.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from miles_fsm.trace.schema import (
     ACTION_FINISHED,
@@ -25,10 +29,9 @@ from miles_fsm.trace.schema import (
     GUARD_PASSED,
     TRANSITION_FINISHED,
     TRANSITION_STARTED,
-    VERIFIED,
 )
 
-__all__ = ["HOT_EVENTS", "NOT_HOT", "HotRecord", "RecordView", "decode_hot", "hot_errors"]
+__all__ = ["HOT_EVENTS", "NOT_HOT", "UNSET", "HotRecord", "RecordView", "decode_hot", "hot_errors"]
 
 # orjson reads integers in [-2**63, 2**64) as int and any other as float; msgspec bounds stop at
 # int64, so only int64 values decode here (a larger one goes to orjson, which reads it as it always did).
@@ -36,42 +39,43 @@ _Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class HotRecord(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """An action, transition, guard or verify record; ``None`` is a field absent or null, as ``dict.get`` has it."""
+    """An action, transition or guard record (``verified`` has fields of its own: orjson reads it); the fields every record carries are required (a null ``state``
+    or ``trigger`` too: no hot record has one), an event's own fields are ``UNSET`` when absent."""
 
     event: str
     seq: _Int
-    v: _Int | None = None
-    run: str | None = None
-    rank: _Int | None = None
-    world: _Int | None = None
-    epoch: _Int | None = None
-    state: str | None = None
-    trigger: str | None = None
-    mono_ns: _Int | None = None
+    v: _Int
+    run: str
+    rank: _Int
+    world: _Int
+    epoch: _Int
+    state: str
+    trigger: str
+    mono_ns: _Int
     # int | float: an integer stays one, as orjson has it (the fold tells them apart).
-    wall: float | _Int | None = None
-    dest: str | None = None
-    source: str | None = None
-    steps: list[str] | None = None
-    key: _Int | None = None
-    collectives: list[str] | None = None
-    tensors: str | _Int | None = None
-    duration_s: float | _Int | None = None
-    action: str | None = None
-    bytes_moved: _Int | None = None
-    host_bytes: _Int | None = None
+    wall: float | _Int
+    dest: str | UnsetType = UNSET
+    source: str | UnsetType = UNSET
+    steps: list[str] | UnsetType = UNSET
+    key: _Int | UnsetType = UNSET
+    collectives: list[str] | UnsetType = UNSET
+    tensors: str | None | UnsetType = UNSET
+    duration_s: float | _Int | UnsetType = UNSET
+    action: str | UnsetType = UNSET
+    bytes_moved: _Int | None | UnsetType = UNSET
+    host_bytes: _Int | None | UnsetType = UNSET
     # Whatever the host's memory probe returns: not read, only required to be JSON.
-    mem_before: Any = None
-    mem_after: Any = None
+    mem_before: Any = UNSET
+    mem_after: Any = UNSET
 
 
 #: Events whose records the fold takes from a ``HotRecord``.
 HOT_EVENTS = frozenset((ACTION_STARTED, ACTION_FINISHED, TRANSITION_STARTED, TRANSITION_FINISHED, GUARD_ENTERED,
-                        GUARD_PASSED, VERIFIED))  # fmt: skip
+                        GUARD_PASSED))  # fmt: skip
 decode_hot = msgspec.json.Decoder(HotRecord).decode
 hot_errors = (msgspec.DecodeError, msgspec.ValidationError)
 #: What the fold takes for a line that does not decode here: its event is none of ``HOT_EVENTS``.
-NOT_HOT = HotRecord(event="", seq=0)
+NOT_HOT = HotRecord(event="", seq=0, v=0, run="", rank=0, world=0, epoch=0, state="", trigger="", mono_ns=0, wall=0)
 
 
 class RecordView:

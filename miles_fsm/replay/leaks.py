@@ -59,7 +59,7 @@ def read_memory(rank: int, path: str | os.PathLike[str], *, run: str | None = No
         if rec.get("event") == TRACE_OPENED:
             series.config = _config(rec.get("drift"))
         elif rec.get("event") == MEMORY_SNAPSHOT and isinstance(rec.get("epoch"), int):
-            series.snapshots.append((int(rec.get("mono_ns") or 0), rec["epoch"], str(rec.get("state")),
+            series.snapshots.append((_int(rec.get("mono_ns")) or 0, rec["epoch"], str(rec.get("state")),
                                      _ints(rec.get("device")), _ints(rec.get("host")), _int(rec.get("rss"))))  # fmt: skip
     return series
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_fsm.errors import MilesFsmError
-from miles_fsm.replay.checks import MAX_RANKS, plain_int
+from miles_fsm.replay.checks import MAX_RANKS, machine_problem, plain_int
 from miles_fsm.replay.shapes import BeforeClose
 from miles_fsm.trace.schema import SCHEMA_VERSION
 
@@ -200,6 +200,11 @@ class RankTrace:
     notes: list[Note] = field(default_factory=list)
     illegal: list[Illegal] = field(default_factory=list)
     verified: int = 0
+    #: [position, tensors] of each ``verified`` record: at which transition, how many tensors it checked.
+    verifications: list[list[int]] = field(default_factory=list)
+    #: The file is the one its writer closed, as its index proves (its size and CRC-32); False: read from its
+    #: lines alone, where an edit that keeps every record well-formed and consistent cannot be seen.
+    proven: bool = False
     unknown_events: int = 0
     opened: int = 0
     first_wall: float | None = None
@@ -313,7 +318,9 @@ class MachineTable:
 
     @classmethod
     def parse(cls, described: Any) -> MachineTable | None:
-        """The table of a ``machine`` field, or None if it is missing or malformed."""
+        """The table of a ``machine`` field, or None if it is missing or malformed (``machine_problem`` says why)."""
+        if machine_problem(described) is not None:
+            return None
         try:
             arrows = {(src, trig): (dest, tuple(str(x) for x in steps))
                       for src, trig, dest, steps in described["transitions"]}  # fmt: skip
@@ -322,6 +329,10 @@ class MachineTable:
         except (KeyError, TypeError, ValueError):
             return None
         return cls(initial=initial, failed=failed, cycle_states=states, arrows=arrows)
+
+    def knows(self, state: Any) -> bool:
+        """Whether ``state`` is one of the machine's states."""
+        return state.__class__ is str and (state in self.cycle_states or state == self.initial or state == self.failed)
 
     def allowed(self, state: str | None) -> list[str]:
         return [trig for (src, trig) in self.arrows if src == state]

@@ -66,11 +66,14 @@ def read_rank(
     damage, reported with the fold of the lines.
     """
     path = Path(path)
-    changed = None
+    changed, proven = None, False
     if use_index:
         index = check_index(path, rank)
-        if index.fold is not None and epochs is None and run is None:
-            return index.fold
+        if index.fold is not None:
+            proven = True  # the file is the one its writer closed, whether its fold is read or filtered
+            if epochs is None and run is None:
+                index.fold.proven = True
+                return index.fold
         changed = index.changed
     t = RankTrace(rank=rank, path=str(path))
     try:
@@ -80,6 +83,7 @@ def read_rank(
         raise TraceDirError(path, f"cannot read it ({exc.strerror or exc})") from exc
     if changed is not None:
         t.damaged.insert(0, Damage(path=str(path), line=0, records=0, reason=changed))
+    t.proven = proven
     return t
 
 

@@ -87,6 +87,9 @@ def replay(
         diagnosis = dataclasses.replace(diagnosis, leaks=leaks, notes=[*diagnosis.notes, leak_note(leaks)])
     elif (unjudged := unjudged_note(memory)) is not None:  # a run too short to judge says so
         diagnosis = dataclasses.replace(diagnosis, notes=[*diagnosis.notes, unjudged])
+    unproven = [t for t in traces if not t.proven]
+    if unproven:  # never a silent ok: what the lines alone cannot show is said
+        diagnosis = dataclasses.replace(diagnosis, notes=[*diagnosis.notes, unproven_note(unproven, len(traces))])
     report = explain(files, flight_recorder, run=chosen.run, prefix=fr_prefix)
     if perfetto is not None:
         from miles_fsm.replay.perfetto import export_perfetto
@@ -94,6 +97,17 @@ def replay(
         export_perfetto(traces, perfetto, epochs=epochs,
                         collectives=report.to_json()["ranks"] if report is not None else ())  # fmt: skip
     return with_flight_recorder(diagnosis, report)
+
+
+def unproven_note(unproven: Sequence[Any], of: int) -> str:
+    """What replay cannot prove of rank files read without an index (a crashed or live run's, or copied without
+    their ``.index``): an edit that leaves every record well-formed and consistent with the others."""
+    names = ", ".join(os.path.basename(t.path) for t in unproven[:3]) + (f" and {len(unproven) - 3} more"
+                                                                         if len(unproven) > 3 else "")  # fmt: skip
+    return (f"not provable without the index: {len(unproven)} of {of} rank file(s) ({names}) have no index this "
+            "replay can use, so an edit that keeps every record well-formed and consistent (a duration, a clock "
+            "reading, a memory figure, a message) cannot be seen; every record's fields, order and agreement with "
+            "its transition, the machine and the other ranks were checked")
 
 
 def with_flight_recorder(d: Diagnosis, report: FrReport | None) -> Diagnosis:
