@@ -159,8 +159,11 @@ def _run_colocated(args: argparse.Namespace) -> NoReturn:
     from miles_fsm.apps.colocated.run import main as colocated
     from miles_fsm.drivers.tms import exit_past_shutdown
 
-    out = (args.trace_dir if args.trace_dir is not None else fresh_trace_dir(Path("miles-fsm-traces"))) / "colocated.json"
-    code = colocated(["--out", str(out), "--strategy", args.mode, "--cycles", str(args.steps)])
+    # The traces in --trace-dir, one folder per lifecycle, and the loop's JSON beside them: the loop
+    # prints the replay command of each.
+    trace_dir = args.trace_dir if args.trace_dir is not None else fresh_trace_dir(Path("miles-fsm-traces"))
+    argv = ["--out", str(trace_dir / "colocated.json"), "--trace-dir", str(trace_dir)]
+    code = colocated([*argv, "--strategy", args.mode, "--cycles", str(args.steps)])
     exit_past_shutdown(code)  # the JSON is written and the server stopped
 
 
