@@ -31,6 +31,7 @@ from miles_fsm.launch.stopping import (
     LaunchInterrupted,
     RankStoppedError,
     StopReason,
+    is_stopped,
     set_parent_death_signal,
     stop_on_termination,
     stop_ranks,
@@ -263,12 +264,15 @@ def _collect(
     linger_s: float | None,
 ) -> None:
     world = len(procs)
+    lingering = False
     while len(outcomes) < world and time.monotonic() < deadline:
         try:
             rank, result, error, elapsed = results.get(timeout=0.1)
         except queue.Empty:
             if not any(p.is_alive() for p in procs):
                 return  # everyone is gone; the caller drains what is left
+            if lingering and _none_can_report(procs, outcomes):
+                return  # the linger is for ranks that may still report: a stopped one never will
             continue
         procs[rank].join(timeout=max(0.0, deadline - time.monotonic()))
         outcomes[rank] = RankOutcome(rank, procs[rank].exitcode, result, error, elapsed)
@@ -276,6 +280,12 @@ def _collect(
             on_result(outcomes[rank])
         if linger_s is not None and not outcomes[rank].ok:
             deadline = min(deadline, time.monotonic() + linger_s)
+            lingering = True
+
+
+def _none_can_report(procs: list[Any], outcomes: dict[int, RankOutcome]) -> bool:
+    """Every rank yet to report is gone or stopped (SIGSTOP: it runs nothing until continued)."""
+    return all(not p.is_alive() or is_stopped(p.pid) for r, p in enumerate(procs) if r not in outcomes)
 
 
 def _drain(results: Any, procs: list[Any], outcomes: dict[int, RankOutcome], on_result: Any) -> None:

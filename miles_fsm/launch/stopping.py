@@ -47,6 +47,7 @@ __all__ = [
     "LauncherLostError",
     "RankStoppedError",
     "StopReason",
+    "is_stopped",
     "set_parent_death_signal",
     "stop_on_termination",
     "stop_ranks",
@@ -220,16 +221,35 @@ def stop_on_termination() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def is_stopped(pid: int | None) -> bool:
+    """True when process ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger's stop): it runs nothing until continued.
+
+    Such a process reads no message and acts on no SIGTERM (both wait for a
+    SIGCONT); only SIGKILL ends it. Linux's /proc tells; elsewhere, False.
+    """
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def stop_ranks(procs: list[Any], controls: list[Any], why: Mapping[str, Any]) -> set[int]:
     """Stop every rank still alive and return them: told why first, then SIGTERM, then SIGKILL.
 
     A rank told why writes its last trace record and exits on its own within
     ``_STOP_GRACE_S``, even from inside a collective (its watchdog thread
-    reads the message); only one that does not is terminated.
+    reads the message); only one that does not is terminated. A stopped rank
+    (``is_stopped``) can do neither: it is killed at once, not waited for.
     """
     alive = {r for r, p in enumerate(procs) if p.is_alive()}
-    told = set()
     for r in sorted(alive):
+        if is_stopped(procs[r].pid):
+            os.kill(procs[r].pid, signal.SIGKILL)
+    told = set()
+    for r in sorted(r for r in alive if procs[r].is_alive() and not is_stopped(procs[r].pid)):
         try:
             controls[r].send({k: v.value if isinstance(v, enum.Enum) else v for k, v in why.items()})
         except (BrokenPipeError, ConnectionResetError):
@@ -240,7 +260,7 @@ def stop_ranks(procs: list[Any], controls: list[Any], why: Mapping[str, Any]) ->
         procs[r].join(timeout=max(0.0, end - time.monotonic()))
     for r in sorted(alive):
         if procs[r].is_alive():
-            procs[r].terminate()
+            (procs[r].kill if is_stopped(procs[r].pid) else procs[r].terminate)()
     end = time.monotonic() + _TERM_GRACE_S
     for p in procs:
         if p.pid is None:
