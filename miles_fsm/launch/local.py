@@ -29,13 +29,17 @@ from miles_fsm.launch.stopping import (
     EXIT_STOPPED,
     LauncherLostError,
     LaunchInterrupted,
+    RankSignalledError,
     RankStoppedError,
+    StopError,
     StopReason,
+    block_stop_signals,
     is_stopped,
     set_parent_death_signal,
     stop_on_termination,
     stop_ranks,
     watch_launcher,
+    watch_stop_signals,
 )
 
 __all__ = [
@@ -46,6 +50,7 @@ __all__ = [
     "RankContext",
     "RankError",
     "RankOutcome",
+    "RankSignalledError",
     "RankStoppedError",
     "StopReason",
     "flatten_error",
@@ -61,12 +66,13 @@ class RankContext:
     kwargs: Mapping[str, Any]
     _on_stop: list[tuple[bool, Callable[[Any], None]]] = field(default_factory=list, repr=False, compare=False)
 
-    def on_stopped(self, callback: Callable[[LauncherLostError | RankStoppedError], None]) -> None:
+    def on_stopped(self, callback: Callable[[StopError], None]) -> None:
         """Run ``callback`` (from a watchdog thread) if the rank is stopped from outside; then it exits.
 
         It gets ``RankStoppedError`` when the launcher stops the rank (a
-        signal, the run's timeout, another rank's failure), and
-        ``LauncherLostError`` when the launcher died. The main thread may be
+        signal, the run's timeout, another rank's failure),
+        ``LauncherLostError`` when the launcher died, and
+        ``RankSignalledError`` when SIGTERM or SIGHUP reached this rank alone. The main thread may be
         anywhere, a collective included. The callback must be quick and must
         not touch collectives or the store: the store lives in the launcher,
         and peers may be gone. Write the last trace record.
@@ -132,6 +138,7 @@ def _child(
     mp_tmp: str | None,
     env: Mapping[str, str] | None = None,
 ) -> None:
+    block_stop_signals()  # before any thread starts: every thread inherits it
     set_parent_death_signal()
     # The launcher stops ranks and says why (the control pipe): a terminal's Ctrl-C reaches every
     # process of its group at once, and a rank that raised KeyboardInterrupt on its own would read
@@ -145,6 +152,7 @@ def _child(
         target=watch_launcher, args=(control, ctx, launcher_pid, mp_tmp), name="miles-fsm-launcher-watch",
         daemon=True,
     ).start()
+    threading.Thread(target=watch_stop_signals, args=(ctx,), name="miles-fsm-signal-watch", daemon=True).start()
 
     import torch.distributed as dist
 
@@ -173,7 +181,9 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "miles_fsm.launch.local"])
+        # The last one makes the forkserver outlive a signal to the process group (its docstring says why).
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "miles_fsm.launch.local",
+                                     "miles_fsm.launch.forkserver"])
     return _CTX
 
 
