@@ -157,11 +157,12 @@ def _child(
     import torch.distributed as dist
 
     started = time.monotonic()
-    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=pg_timeout_s))
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s)
-    )
+    timeout = timedelta(seconds=pg_timeout_s)
     try:
+        # Joining is part of the rank's work: a failure to join is reported like any other, never
+        # printed as a traceback by multiprocessing on its way out.
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         result = fn(ctx)
     except BaseException as exc:  # reported to the parent, then the child exits non-zero
         results.put((rank, None, flatten_error(exc), time.monotonic() - started))
