@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {cfg.out}; checks failed: {failed or 'none'}", flush=True)
     replays = replay_lines(result["runs"])
     if replays:
-        print(f"traces: {result['traces']}, one folder per lifecycle; replay each with:", flush=True)
+        print(f"traces: {result.get('traces')}, one folder per lifecycle; replay each with:", flush=True)
         for line in replays:
             print(f"  {line}", flush=True)
     return 0 if result["ok"] else 1
