@@ -72,6 +72,7 @@ SAMPLES = [
     app_errors.TraceDirUnusableError(path="/ro/traces", reason="Read-only file system"),
     launch.LauncherLostError(rank=1, launcher_pid=4242),
     launch.RankStoppedError(rank=1, reason="peer_failed", failed=[0]),
+    launch.RankSignalledError(rank=1, signal="SIGTERM"),
     engine_errors.RankRaisedError(rank=1, type_name="OSError", message="socket closed", traceback_text="Traceback ..."),
     replay_model.TraceDirError("traces/", "holds no rank-*.jsonl"),
     replay_runs.MixedRunsError("traces/", {"a": ["rank-0.jsonl"], "b": ["rank-1.jsonl"]}, ["rank 1"]),

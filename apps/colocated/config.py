@@ -65,6 +65,8 @@ class LoopConfig:
     seed: int = 1234
     tolerance: Tolerance = field(default_factory=Tolerance)
     out: Path = Path("colocated.json")
+    #: Where each lifecycle's traces go, one folder each (``traces``); None: a temporary folder, named in the JSON.
+    trace_dir: Path | None = None
     log_dir: Path | None = None
     startup_timeout_s: float = 420.0
     request_timeout_s: float = 300.0

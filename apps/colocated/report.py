@@ -24,6 +24,8 @@ def add_loop_arguments(p: argparse.ArgumentParser) -> None:
                    help="repeatable (default: both; smoke: rematerialize)")
     p.add_argument("--startup-timeout", type=float, default=420.0, help="seconds for the server to come up")
     p.add_argument("--profile-trace", type=Path, default=None, help="also write the profiled push's Chrome trace here")
+    p.add_argument("--trace-dir", type=Path, default=None,
+                   help="each lifecycle's traces in a folder of its own here (default: a temporary folder)")
 
 
 def config_from_args(args: argparse.Namespace) -> LoopConfig:
@@ -31,7 +33,8 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
                                                                ["rematerialize", "backup"])))  # fmt: skip
     return LoopConfig(shape=SMOKE if args.smoke else FULL, cycles=(1 if args.smoke else 3) if args.cycles is None else args.cycles,
                       strategies=strategies, load_formats=LOAD_FORMATS, out=args.out,
-                      startup_timeout_s=args.startup_timeout, profile_trace=args.profile_trace)  # fmt: skip
+                      startup_timeout_s=args.startup_timeout, profile_trace=args.profile_trace,
+                      trace_dir=args.trace_dir)  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[LoopConfig, list[str]]:

@@ -21,6 +21,7 @@ from typing import Any
 from miles_fsm.apps.colocated.config import LoopConfig
 from miles_fsm.apps.colocated.report import FLATTEN, REQUEST, SERIALIZE, parse_args, summarize, write_json
 from miles_fsm.apps.colocated.server import SGLangServer, free_port
+from miles_fsm.apps.colocated.traces import lifecycle_label, lifecycle_trace_dir, replay_lines
 
 __all__ = ["device_copy_GBps", "main", "run_loop"]
 
@@ -69,11 +70,11 @@ def _lifecycle(ctx: Any, strategy: Any, load_format: str | None, host: Any, trac
                                               optimizer_offload="driver")  # fmt: skip
     trainer = PushTrainer(gpt=ctx.gpt, vocab=cfg.shape.vocab, copy=load_format is None, timer=ctx.timer, config=dcfg,
                           memory=ctx.saver, host=host)  # fmt: skip
-    label = f"{strategy.value}/{load_format or 'tensors'}"
+    label, traces = lifecycle_label(strategy, load_format), lifecycle_trace_dir(trace_dir, strategy, load_format)
     lc = Lifecycle(trainer=trainer, engine=engine, config=LifecycleConfig(
-        guard=GuardConfig(timeout_s=600), verify=dcfg.verify, trace_dir=trace_dir / label.replace("/", "_")))  # fmt: skip
+        guard=GuardConfig(timeout_s=600), verify=dcfg.verify, trace_dir=traces))  # fmt: skip
     out: dict[str, Any] = {"strategy": strategy.value, "load_format": load_format or "tensors", "cycles": [],
-                           "state": "INITIAL"}  # fmt: skip
+                           "state": "INITIAL", "traces": str(traces)}  # fmt: skip
     ctx.runs.append(out)  # in the JSON from now on: a run cut short keeps the cycles it finished
     error: BaseException | None = None
     drift: list[str] = []
@@ -187,9 +188,10 @@ def run_loop(cfg: LoopConfig, result: dict[str, Any]) -> None:
     from miles_fsm.apps.colocated.trainer import PhaseTimer
     from miles_fsm.drivers.pinned import HostCopies, PinnedConfig
 
-    workdir = Path(tempfile.mkdtemp(prefix="miles-fsm-colocated-"))
-    # Each lifecycle's rank traces, for `miles-fsm replay`; the server's model config lies beside them.
-    result["traces"] = str(workdir / "traces")
+    workdir = Path(tempfile.mkdtemp(prefix="miles-fsm-colocated-"))  # the server's model config
+    # Each lifecycle's rank traces, one folder each, for `miles-fsm replay` (``traces``).
+    traces = cfg.trace_dir if cfg.trace_dir is not None else workdir / "traces"
+    result["traces"] = str(traces)
     timer = PhaseTimer()
     log_dir = cfg.log_dir or cfg.out.parent
     server = SGLangServer(config=cfg.server_config, workdir=workdir, log_path=log_dir / f"{cfg.out.stem}_server.log",
@@ -204,7 +206,7 @@ def run_loop(cfg: LoopConfig, result: dict[str, Any]) -> None:
         first = True
         for strategy in cfg.strategies:
             for load_format in cfg.load_formats:
-                _lifecycle(ctx, strategy, load_format, host, workdir / "traces", cfg.profile_cycle if first else 0)
+                _lifecycle(ctx, strategy, load_format, host, traces, cfg.profile_cycle if first else 0)
                 first = False
                 write_json(cfg.out, result)
     except SystemExit as exc:
@@ -252,4 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         write_json(cfg.out, result)
     failed = [name for name, c in result["checks"].items() if not c["ok"]]
     print(f"wrote {cfg.out}; checks failed: {failed or 'none'}", flush=True)
+    replays = replay_lines(result["runs"])
+    if replays:
+        print(f"traces: {result.get('traces')}, one folder per lifecycle; replay each with:", flush=True)
+        for line in replays:
+            print(f"  {line}", flush=True)
     return 0 if result["ok"] else 1

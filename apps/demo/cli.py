@@ -122,14 +122,21 @@ def _run(args: argparse.Namespace) -> int:
         result = run_demo(config, out=out)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP (LaunchInterrupted)
         signum = getattr(exc, "signum", signal.SIGINT)
-        out.print(
-            f"interrupted ({signal.Signals(signum).name}): every rank was stopped; "
-            f"partial traces in {config.trace_dir}",
-            markup=False,
-        )
+        stopped = f"interrupted ({signal.Signals(signum).name}): every rank was stopped"
+        out.print(f"{stopped}; {_left(config)}", markup=False)
         return 128 + int(signum)
     print_result(result, out)
     return result.exit_code
+
+
+def _left(config: DemoConfig) -> str:
+    """What an interrupted run left: the traces its ranks wrote (earlier runs' were moved aside), or none."""
+    from miles_fsm.trace.writer import trace_path
+
+    written = [r for r in range(config.ranks) if trace_path(config.trace_dir, r).exists()]
+    if not written:
+        return "no rank had written a trace yet (stopped while starting)"
+    return f"partial traces of {len(written)} of {config.ranks} ranks in {config.trace_dir}"
 
 
 # The CPU stack's options, by dest: the colocated loop has one GPU rank, the megatron
@@ -159,8 +166,11 @@ def _run_colocated(args: argparse.Namespace) -> NoReturn:
     from miles_fsm.apps.colocated.run import main as colocated
     from miles_fsm.drivers.tms import exit_past_shutdown
 
-    out = (args.trace_dir if args.trace_dir is not None else fresh_trace_dir(Path("miles-fsm-traces"))) / "colocated.json"
-    code = colocated(["--out", str(out), "--strategy", args.mode, "--cycles", str(args.steps)])
+    # The traces in --trace-dir, one folder per lifecycle, and the loop's JSON beside them: the loop
+    # prints the replay command of each.
+    trace_dir = args.trace_dir if args.trace_dir is not None else fresh_trace_dir(Path("miles-fsm-traces"))
+    argv = ["--out", str(trace_dir / "colocated.json"), "--trace-dir", str(trace_dir)]
+    code = colocated([*argv, "--strategy", args.mode, "--cycles", str(args.steps)])
     exit_past_shutdown(code)  # the JSON is written and the server stopped
 
 

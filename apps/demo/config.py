@@ -10,13 +10,15 @@ from typing import Any
 
 from miles_fsm.states import Strategy
 
-__all__ = ["INJECTION_KINDS", "LAUNCHERS", "MAX_GUARD_TIMEOUT_S", "TRAINERS", "MAX_RANKS", "MAX_STEPS", "DemoConfig", "Injection",
+__all__ = ["FAILING_KINDS", "INJECTION_KINDS", "LAUNCHERS", "MAX_GUARD_TIMEOUT_S", "TRAINERS", "MAX_RANKS", "MAX_STEPS", "DemoConfig", "Injection",
            "fresh_trace_dir"]
 
 #: ``stall`` is a hang after the guard passed, inside the param sync's
 #: all-gather: a collective no guard covers, which only the process group's
 #: own timeout ends.
 INJECTION_KINDS = ("diverge", "hang", "crash", "corrupt", "stall", "undeclared", "leak")
+#: The faults that must fail the run; a ``leak`` only warns (the live drift check), and the run goes on.
+FAILING_KINDS = tuple(k for k in INJECTION_KINDS if k != "leak")
 #: One host runs every rank, each with torch loaded (about 0.3 GB) and its gloo connections.
 MAX_RANKS = 64
 MAX_STEPS = 100_000

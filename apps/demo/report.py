@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from miles_fsm.apps.demo.config import DemoConfig
+from miles_fsm.apps.demo.config import FAILING_KINDS, DemoConfig, Injection
 from miles_fsm.launch.local import RankOutcome
 from miles_fsm.replay.diagnose import Diagnosis
 from miles_fsm.replay.evidence import last_own_record, stopped_from_outside
@@ -47,7 +47,8 @@ class DemoResult:
     diagnosis: str
 
     @property
-    def ok(self) -> bool:
+    def finished(self) -> bool:
+        """Every rank ran every step, verified."""
         return all(o.ok for o in self.outcomes) and all(
             self.verified.get(r, 0) == self.config.steps for r in range(self.config.ranks)
         )
@@ -62,6 +63,15 @@ class DemoResult:
 
         note, leak = drift_unjudged(self.config.steps, self.config.injections)
         return (None, False) if leak and self.drift() else (note, leak)
+
+    @property
+    def unnoticed(self) -> tuple[Injection, ...]:
+        """The injected faults that should have failed the run, when it finished anyway (none otherwise)."""
+        return tuple(i for i in self.config.injections if i.kind in FAILING_KINDS) if self.finished else ()
+
+    @property
+    def ok(self) -> bool:
+        return self.finished and not self.unnoticed
 
     @property
     def exit_code(self) -> int:
@@ -128,11 +138,16 @@ def blame(
                 died.append(o.rank)
             lines.append(f"rank {o.rank}: {how}; its trace ends with {trace_end(traces.get(o.rank))}")
     culprit = replay.culprit if replay is not None else None
+    top = tuple(sorted(r for r, n in named.items() if n == max(named.values()))) if named else ()
     if died:
         culprits = tuple(died)
-    elif named:
-        top = max(named.values())
-        culprits = tuple(sorted(r for r, n in named.items() if n == top))
+    elif len(top) > 1 and replay is not None and culprit is not None and culprit["decided"] and culprit["ranks"]:
+        # The errors name each other (the first to time out names a silent peer, which then loses it and
+        # names the first): they cannot decide, and replay's rule over the traces can.
+        culprits = tuple(culprit["ranks"])
+        lines.append(f"from the traces: {replay.verdict}: {replay.headline}")
+    elif top:
+        culprits = top
     elif replay is not None and culprit is not None and (culprit["ranks"] or not culprit["decided"]):
         # Undecided: the traces cannot tell the suspects apart, and a guess is no culprit.
         culprits = tuple(culprit["ranks"])
@@ -141,6 +156,20 @@ def blame(
         culprits = tuple(o.rank for o in outcomes if o.error is not None)
     head = f"culprit: rank {', '.join(map(str, culprits))}" if culprits else "culprit: unknown"
     return culprits, "\n".join([head, *("  " + line for line in lines)])
+
+
+def unnoticed_text(faults: Sequence[Injection], ranks: int) -> str:
+    """Why injected faults went unnoticed, in words: the same fault on every rank, or a detector that missed."""
+    named = ", ".join(map(str, faults))
+    alike = {(i.kind, i.step) for i in faults
+             if {j.rank for j in faults if (j.kind, j.step) == (i.kind, i.step)} == set(range(ranks))}  # fmt: skip
+    if alike:
+        what = "; ".join(f"{kind} on every rank at step {step}" for kind, step in sorted(alike, key=lambda a: a[1]))
+        why = (f"the fault struck every rank alike ({what}), and the guards and checks compare the ranks with "
+               "each other: ranks that are wrong alike still agree. Inject it on fewer ranks than all")  # fmt: skip
+    else:
+        why = "no guard or check caught them; that is a detector's miss: replay the traces and report it"
+    return f"the injected fault(s) {named} went unnoticed: every rank finished every step verified; {why}"
 
 
 def trace_end(t: RankTrace | None) -> str:
@@ -212,6 +241,8 @@ def print_result(result: DemoResult, out: Any) -> None:
         note, leak = result.drift_unjudged
         if note is not None:
             out.print(f"{'FAILED' if leak else 'NOTE'}: {note}", markup=False)
+    elif result.unnoticed:
+        out.print(f"FAILED after {result.wall_s:.1f} s: {unnoticed_text(result.unnoticed, c.ranks)}", markup=False)
     else:
         out.print(f"FAILED after {result.wall_s:.1f} s; {result.diagnosis}", markup=False)
     out.print(f"traces: {c.trace_dir}  (miles-fsm replay {c.trace_dir})", markup=False)

@@ -35,7 +35,7 @@ imports none of them: the engine never imports a layer above it):
   ``WeightChecksumError``, ``NotLlamaShapedError``, ``WeightLayoutError``;
 - the launchers', in ``miles_fsm.launch.stopping`` (also importable from
   ``miles_fsm.launch`` and ``miles_fsm.launch.local``): ``LauncherLostError``,
-  ``RankStoppedError`` (and ``LaunchInterrupted``, a ``KeyboardInterrupt`` on
+  ``RankStoppedError``, ``RankSignalledError`` (and ``LaunchInterrupted``, a ``KeyboardInterrupt`` on
   purpose: no ``except Exception`` may swallow a Ctrl-C);
 - replay's: ``TraceDirError`` in ``miles_fsm.replay.model``, ``MixedRunsError``
   in ``miles_fsm.replay.runs``, ``OutputPathError`` in ``miles_fsm.replay.perfetto``;

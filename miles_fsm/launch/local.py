@@ -29,12 +29,17 @@ from miles_fsm.launch.stopping import (
     EXIT_STOPPED,
     LauncherLostError,
     LaunchInterrupted,
+    RankSignalledError,
     RankStoppedError,
+    StopError,
     StopReason,
+    block_stop_signals,
+    is_stopped,
     set_parent_death_signal,
     stop_on_termination,
     stop_ranks,
     watch_launcher,
+    watch_stop_signals,
 )
 
 __all__ = [
@@ -45,6 +50,7 @@ __all__ = [
     "RankContext",
     "RankError",
     "RankOutcome",
+    "RankSignalledError",
     "RankStoppedError",
     "StopReason",
     "flatten_error",
@@ -60,12 +66,13 @@ class RankContext:
     kwargs: Mapping[str, Any]
     _on_stop: list[tuple[bool, Callable[[Any], None]]] = field(default_factory=list, repr=False, compare=False)
 
-    def on_stopped(self, callback: Callable[[LauncherLostError | RankStoppedError], None]) -> None:
+    def on_stopped(self, callback: Callable[[StopError], None]) -> None:
         """Run ``callback`` (from a watchdog thread) if the rank is stopped from outside; then it exits.
 
         It gets ``RankStoppedError`` when the launcher stops the rank (a
-        signal, the run's timeout, another rank's failure), and
-        ``LauncherLostError`` when the launcher died. The main thread may be
+        signal, the run's timeout, another rank's failure),
+        ``LauncherLostError`` when the launcher died, and
+        ``RankSignalledError`` when SIGTERM or SIGHUP reached this rank alone. The main thread may be
         anywhere, a collective included. The callback must be quick and must
         not touch collectives or the store: the store lives in the launcher,
         and peers may be gone. Write the last trace record.
@@ -131,6 +138,7 @@ def _child(
     mp_tmp: str | None,
     env: Mapping[str, str] | None = None,
 ) -> None:
+    block_stop_signals()  # before any thread starts: every thread inherits it
     set_parent_death_signal()
     # The launcher stops ranks and says why (the control pipe): a terminal's Ctrl-C reaches every
     # process of its group at once, and a rank that raised KeyboardInterrupt on its own would read
@@ -144,15 +152,17 @@ def _child(
         target=watch_launcher, args=(control, ctx, launcher_pid, mp_tmp), name="miles-fsm-launcher-watch",
         daemon=True,
     ).start()
+    threading.Thread(target=watch_stop_signals, args=(ctx,), name="miles-fsm-signal-watch", daemon=True).start()
 
     import torch.distributed as dist
 
     started = time.monotonic()
-    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=pg_timeout_s))
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s)
-    )
+    timeout = timedelta(seconds=pg_timeout_s)
     try:
+        # Joining is part of the rank's work: a failure to join is reported like any other, never
+        # printed as a traceback by multiprocessing on its way out.
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         result = fn(ctx)
     except BaseException as exc:  # reported to the parent, then the child exits non-zero
         results.put((rank, None, flatten_error(exc), time.monotonic() - started))
@@ -172,7 +182,9 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "miles_fsm.launch.local"])
+        # The last one makes the forkserver outlive a signal to the process group (its docstring says why).
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "miles_fsm.launch.local",
+                                     "miles_fsm.launch.forkserver"])
     return _CTX
 
 
@@ -263,12 +275,15 @@ def _collect(
     linger_s: float | None,
 ) -> None:
     world = len(procs)
+    lingering = False
     while len(outcomes) < world and time.monotonic() < deadline:
         try:
             rank, result, error, elapsed = results.get(timeout=0.1)
         except queue.Empty:
             if not any(p.is_alive() for p in procs):
                 return  # everyone is gone; the caller drains what is left
+            if lingering and _none_can_report(procs, outcomes):
+                return  # the linger is for ranks that may still report: a stopped one never will
             continue
         procs[rank].join(timeout=max(0.0, deadline - time.monotonic()))
         outcomes[rank] = RankOutcome(rank, procs[rank].exitcode, result, error, elapsed)
@@ -276,6 +291,12 @@ def _collect(
             on_result(outcomes[rank])
         if linger_s is not None and not outcomes[rank].ok:
             deadline = min(deadline, time.monotonic() + linger_s)
+            lingering = True
+
+
+def _none_can_report(procs: list[Any], outcomes: dict[int, RankOutcome]) -> bool:
+    """Every rank yet to report is gone or stopped (SIGSTOP: it runs nothing until continued)."""
+    return all(not p.is_alive() or is_stopped(p.pid) for r, p in enumerate(procs) if r not in outcomes)
 
 
 def _drain(results: Any, procs: list[Any], outcomes: dict[int, RankOutcome], on_result: Any) -> None:

@@ -45,12 +45,17 @@ __all__ = [
     "EXIT_STOPPED",
     "LaunchInterrupted",
     "LauncherLostError",
+    "RankSignalledError",
     "RankStoppedError",
+    "StopError",
     "StopReason",
+    "block_stop_signals",
+    "is_stopped",
     "set_parent_death_signal",
     "stop_on_termination",
     "stop_ranks",
     "watch_launcher",
+    "watch_stop_signals",
 ]
 
 #: A rank's exit code when it stopped because its launcher died.
@@ -64,6 +69,12 @@ _LOST_GRACE_S = 2.0
 _STOP_GRACE_S = _LOST_GRACE_S + 1.0
 #: How long a terminated rank gets before it is killed.
 _TERM_GRACE_S = 2.0
+#: The signals that stop a rank from outside (``watch_stop_signals``).
+_STOP_SIGNALS = frozenset((signal.SIGTERM, signal.SIGHUP))
+#: How long a rank that got one waits for its launcher's word, which a signal to the whole group brings.
+_SIGNAL_WAIT_S = 1.0
+#: Held by the thread that stops the rank: one stop per process, whoever comes first.
+_STOPPING = threading.Lock()
 
 
 class LauncherLostError(MilesFsmError, RuntimeError):
@@ -132,6 +143,27 @@ class RankStoppedError(MilesFsmError, RuntimeError):
         super().__init__(f"rank {rank} was stopped by its launcher: {why}")
 
 
+class RankSignalledError(MilesFsmError, RuntimeError):
+    """This rank got SIGTERM or SIGHUP from outside while its launcher did not stop the run: the rank stops.
+
+    ``signal`` names the signal. A signal to the whole process group reaches
+    the launcher too, and reads as ``RankStoppedError`` instead.
+    """
+
+    def __init__(self, *, rank: int, signal: str) -> None:
+        self.rank = rank
+        self.signal = signal
+        super().__init__(
+            f"rank {rank} got {signal} from outside (sent to this process alone, not to its launcher) and "
+            "stopped; its trace ends here, and its peers' errors follow from it. Look for who sent it: a "
+            "scheduler, an OOM handler or an operator's kill"
+        )
+
+
+#: What a rank's ``on_stopped`` callbacks get: why it was stopped from outside.
+StopError = LauncherLostError | RankStoppedError | RankSignalledError
+
+
 class LaunchInterrupted(KeyboardInterrupt):
     """The launching process got SIGTERM or SIGHUP: every rank was stopped, like Ctrl-C."""
 
@@ -162,26 +194,69 @@ def watch_launcher(control: Any, ctx: RankContext, launcher_pid: int, mp_tmp: st
         said = control.recv()
     except EOFError:
         said = None  # the only writer is the launcher: end-of-file is its death
-    error: LauncherLostError | RankStoppedError
-    if said is None:
-        error = LauncherLostError(rank=ctx.rank, launcher_pid=launcher_pid)
-        try:
-            os.write(2, f"miles-fsm: {error}\n".encode())
-        except OSError:
-            pass  # stderr went with the launcher (a closed pipe): the trace still says it
-    else:
-        error = RankStoppedError(rank=ctx.rank, **said)
+    if said is not None:
+        _stop_rank(ctx, RankStoppedError(rank=ctx.rank, **said))
+        return
+    error = LauncherLostError(rank=ctx.rank, launcher_pid=launcher_pid)
+    try:
+        os.write(2, f"miles-fsm: {error}\n".encode())
+    except OSError:
+        pass  # stderr went with the launcher (a closed pipe): the trace still says it
+    _stop_rank(ctx, error, mp_tmp=mp_tmp)
+
+
+def block_stop_signals() -> None:
+    """Hold SIGTERM and SIGHUP in this thread and every thread it starts, for ``watch_stop_signals`` alone.
+
+    Call it first in the rank, before any thread exists. A signal handler
+    would run only in the main thread, between bytecodes, never while it
+    waits inside a collective; a thread in ``sigwait`` takes the signal
+    wherever the main thread is.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    for s in _STOP_SIGNALS:  # the forkserver ignores them (``miles_fsm.launch.forkserver``), and an ignored
+        signal.signal(s, signal.SIG_DFL)  # signal never reaches sigwait
+
+
+def watch_stop_signals(ctx: RankContext) -> None:
+    """Take SIGTERM / SIGHUP sent to this rank (held by ``block_stop_signals``), and stop the rank as they say.
+
+    A signal to the whole process group (``timeout``, Slurm, ``docker stop``,
+    a closed terminal) reaches the launcher as well, which then tells every
+    rank why it stops them (``RankStoppedError``): the rank waits for that
+    word for ``_SIGNAL_WAIT_S``. Without it, the signal was this rank's
+    alone: it records ``RankSignalledError`` and dies by the signal. A signal
+    that comes while the rank is already stopping ends it at once.
+    """
+    while True:
+        signum = signal.sigwait(_STOP_SIGNALS)
+        if _STOPPING.locked():
+            os._exit(EXIT_STOPPED)
+        deadline = time.monotonic() + _SIGNAL_WAIT_S
+        while not _STOPPING.locked() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not _STOPPING.locked():
+            _stop_rank(ctx, RankSignalledError(rank=ctx.rank, signal=signal.Signals(signum).name), signum=signum)
+
+
+def _stop_rank(ctx: RankContext, error: StopError, *, mp_tmp: str | None = None, signum: int | None = None) -> None:
+    """Run the rank's stop callbacks (at most ``_LOST_GRACE_S``), then end the process; once per process."""
+    if not _STOPPING.acquire(blocking=False):
+        return  # another thread is stopping this rank: it ends the process
     done = threading.Thread(target=_run_callbacks, args=(ctx, error), daemon=True)
     done.start()
     done.join(_LOST_GRACE_S)
-    if said is None:
+    if isinstance(error, LauncherLostError):
         if mp_tmp is not None:
             _remove_mp_tmp(Path(mp_tmp))
         os._exit(EXIT_LAUNCHER_LOST)
+    if signum is not None:  # die by the signal, so the exit status says what ended the rank
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        signal.pthread_kill(threading.get_ident(), signum)
     os._exit(EXIT_STOPPED)
 
 
-def _run_callbacks(ctx: RankContext, error: LauncherLostError | RankStoppedError) -> None:
+def _run_callbacks(ctx: RankContext, error: StopError) -> None:
     lost = isinstance(error, LauncherLostError)
     for only_if_lost, callback in ctx._on_stop:
         if lost or not only_if_lost:
@@ -234,16 +309,35 @@ def stop_on_termination() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def is_stopped(pid: int | None) -> bool:
+    """True when process ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger's stop): it runs nothing until continued.
+
+    Such a process reads no message and acts on no SIGTERM (both wait for a
+    SIGCONT); only SIGKILL ends it. Linux's /proc tells; elsewhere, False.
+    """
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def stop_ranks(procs: list[Any], controls: list[Any], why: Mapping[str, Any]) -> set[int]:
     """Stop every rank still alive and return them: told why first, then SIGTERM, then SIGKILL.
 
     A rank told why writes its last trace record and exits on its own within
     ``_STOP_GRACE_S``, even from inside a collective (its watchdog thread
-    reads the message); only one that does not is terminated.
+    reads the message); only one that does not is terminated. A stopped rank
+    (``is_stopped``) can do neither: it is killed at once, not waited for.
     """
     alive = {r for r, p in enumerate(procs) if p.is_alive()}
-    told = set()
     for r in sorted(alive):
+        if is_stopped(procs[r].pid):
+            os.kill(procs[r].pid, signal.SIGKILL)
+    told = set()
+    for r in sorted(r for r in alive if procs[r].is_alive() and not is_stopped(procs[r].pid)):
         try:
             controls[r].send({k: v.value if isinstance(v, enum.Enum) else v for k, v in why.items()})
         except (BrokenPipeError, ConnectionResetError):
@@ -254,7 +348,7 @@ def stop_ranks(procs: list[Any], controls: list[Any], why: Mapping[str, Any]) ->
         procs[r].join(timeout=max(0.0, end - time.monotonic()))
     for r in sorted(alive):
         if procs[r].is_alive():
-            procs[r].terminate()
+            (procs[r].kill if is_stopped(procs[r].pid) else procs[r].terminate)()
     end = time.monotonic() + _TERM_GRACE_S
     for p in procs:
         if p.pid is None:
