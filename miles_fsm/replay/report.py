@@ -19,12 +19,13 @@ from typing import Any, TextIO
 from miles_fsm.errors import list_names
 from miles_fsm.flight_recorder import FlightRecorderError
 from miles_fsm.ranks import plural_ranks
-from miles_fsm.replay.diagnose import Diagnosis, Verdict, diagnose, rank_ranges
+from miles_fsm.replay.diagnose import Diagnosis, diagnose, rank_ranges
 from miles_fsm.replay.evidence import first_line
 from miles_fsm.replay.files import rank_files
 from miles_fsm.replay.fr_align import FrReport, explain
 from miles_fsm.replay.leaks import find_leaks, leak_lines, leak_note, memory_series, unjudged_note
 from miles_fsm.replay.model import EpochRange, TraceDirError
+from miles_fsm.replay.notes import undeclared_note, unproven_note
 from miles_fsm.replay.perfetto import check_output
 from miles_fsm.replay.read import read_ranks
 from miles_fsm.replay.runs import choose_run
@@ -99,33 +100,13 @@ def replay(
     return with_flight_recorder(diagnosis, report)
 
 
-def unproven_note(unproven: Sequence[Any], of: int) -> str:
-    """What replay cannot prove of rank files read without an index (a crashed or live run's, or copied without
-    their ``.index``): an edit that leaves every record well-formed and consistent with the others."""
-    names = ", ".join(os.path.basename(t.path) for t in unproven[:3]) + (f" and {len(unproven) - 3} more"
-                                                                         if len(unproven) > 3 else "")  # fmt: skip
-    return (f"not provable without the index: {len(unproven)} of {of} rank file(s) ({names}) have no index this "
-            "replay can use, so an edit that keeps every record well-formed and consistent (a duration, a clock "
-            "reading, a memory figure, a message) cannot be seen; every record's fields, order and agreement with "
-            "its transition, the machine and the other ranks were checked")
-
-
 def with_flight_recorder(d: Diagnosis, report: FrReport | None) -> Diagnosis:
     """``d`` with what the Flight Recorder dumps say (a mismatch of collectives is a problem: exit 3)."""
     if report is None:
         return d
     rogue = sorted(r.rank for r in report.ranks if r.declared is False)
-    notes = [*d.notes, _undeclared_note(d, rogue)] if rogue else d.notes
+    notes = [*d.notes, undeclared_note(d, rogue)] if rogue else d.notes
     return dataclasses.replace(d, flight_recorder=report.to_json(), notes=notes)
-
-
-def _undeclared_note(d: Diagnosis, rogue: list[int]) -> str:
-    """What a collective outside every plan means here: the likely cause of a hang only where ranks waited."""
-    seen = f"the Flight Recorder shows {plural_ranks(rogue)} inside a collective its step's plan did not declare"
-    waited = d.verdict in (Verdict.STUCK, Verdict.INCOMPLETE) or any(
-        g["error"] == "GuardTimeoutError" for g in d.guard_failures) or any(
-        f["transport"] == "timeout" for f in [*d.failures, *d.outside_failures])  # fmt: skip
-    return f"{seen}: the likely cause of the hang" if waited else f"{seen} (nothing waited on it: no rank timed out)"
 
 
 # -------------------------------------------------------------------- report
