@@ -243,6 +243,24 @@ def test_a_sigterm_to_one_rank_alone_is_recorded_in_its_trace_and_names_it(tmp_p
     assert run.took < GUARD_S + MARGIN_S, f"{run.took:.1f} s from the signal until every process was gone"
 
 
+def test_replay_of_a_rank_signalled_alone_says_it_was_stopped_from_outside(tmp_path):
+    """Replay of that run names rank 1 and says a signal sent to its process alone stopped it (the word
+    STOPPED): it neither raised an error of its own nor crashed, so someone outside the job is to be found.
+    Before, the headline said it "raised RankSignalledError"."""
+    run = _signal_rank(tmp_path, signal.SIGTERM)
+    assert not run.left, f"processes left behind: {sorted(run.left)}"
+    proc = subprocess.run([sys.executable, "-m", "miles_fsm", "replay", str(tmp_path / "traces")],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    head = proc.stdout.splitlines()[0]
+    assert head.startswith("STOPPED: rank 1 was stopped by a signal sent to its process alone"), head
+    assert "raised" not in head and "SIGTERM" in head, head
+    as_json = subprocess.run([sys.executable, "-m", "miles_fsm", "replay", "--json", str(tmp_path / "traces")],
+                             capture_output=True, timeout=120)  # fmt: skip
+    d = orjson.loads(as_json.stdout)
+    assert d["verdict"] == "crashed" and d["culprit"]["suspects"] == [1], d["culprit"]
+
+
 def test_a_sigterm_while_the_ranks_start_is_one_true_line(tmp_path):
     """SIGTERM to the whole process group while the ranks start (their forkserver up, no trace written yet):
     the demo exits 143 with one line saying it was interrupted and that no rank had written a trace yet

@@ -83,10 +83,13 @@ class Diagnosis:
     @property
     def word(self) -> str:
         """The report's first word: the verdict, except ``FAILED`` for a ``crashed`` verdict whose culprit raised
-        (its process was alive to record the error) rather than died. ``--json`` keeps the verdict."""
+        (its process was alive to record the error) rather than died, and ``STOPPED`` for one stopped by a signal sent
+        to it alone. ``--json`` keeps the verdict."""
         if self.verdict != Verdict.CRASHED or self.culprit is None:
             return self.verdict.upper()
         c = self.culprit
+        if any(f["error"] == evidence.SIGNALLED and f["rank"] in c["suspects"] for f in self.outside_failures):
+            return "STOPPED"
         died = any(s["how"] == "crashed" and s["rank"] in c["suspects"] and s["position"] == c["position"]
                    for s in self.stuck)  # fmt: skip
         return "CRASHED" if died else "FAILED"

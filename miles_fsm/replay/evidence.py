@@ -24,7 +24,7 @@ from miles_fsm.trace.schema import (
     error_fields,
 )
 
-__all__ = ["OUTSIDE_STOPS", "guard_failures", "last_own_record", "outside_failures", "outside_stops", "step_failures",
+__all__ = ["OUTSIDE_STOPS", "SIGNALLED", "guard_failures", "last_own_record", "outside_failures", "outside_stops", "step_failures",
            "verification_failures"]
 
 #: Notes of the lifecycle's own records; any other note is a driver's or the demo's (or an unclean close).
@@ -36,6 +36,9 @@ CORE_EVENTS = frozenset(
 #: Errors a rank closes its trace with when it was stopped from outside, not by a failure of its own:
 #: its launcher stopped it (``miles_fsm.launch.local.RankStoppedError``) or died (``LauncherLostError``).
 OUTSIDE_STOPS = frozenset(("RankStoppedError", "LauncherLostError"))
+#: A signal sent to one rank's process alone (``miles_fsm.launch.stopping.RankSignalledError``): that rank is the
+#: culprit, but it neither raised nor crashed; someone outside the job stopped it.
+SIGNALLED = "RankSignalledError"
 
 
 def stopped_from_outside(t: RankTrace) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from enum import Enum
 
 from miles_fsm.ranks import plural_ranks
 from miles_fsm.replay.divergence import Divergence, first_divergence
-from miles_fsm.replay.evidence import first_line
+from miles_fsm.replay.evidence import SIGNALLED, first_line
 from miles_fsm.replay.model import RankTrace
 from miles_fsm.replay.shapes import (
     GuardFailure,
@@ -190,7 +190,9 @@ def outside_problems(outside: list[OutsideFailure], *, stopped: bool) -> list[Pr
             "outside the lifecycle's transitions"  # fmt: skip
         then = "; it closed its trace on that error and left the run" if f["event"] == TRACE_CLOSED else \
             f" (its {f['event']} record)"  # fmt: skip
-        headline = (f"rank {f['rank']} raised {f['error'] or 'an error'} {where} (epoch {f['epoch']}){then}"
+        did = "was stopped by a signal sent to its process alone," if f["error"] == SIGNALLED else \
+            f"raised {f['error'] or 'an error'}"  # fmt: skip
+        headline = (f"rank {f['rank']} {did} {where} (epoch {f['epoch']}){then}"
                     + (f": {f['message']}" if f["message"] else ""))  # fmt: skip
         problems.append(_of_rank(f, Verdict.CRASHED, f["where"], headline, consequence=stopped and follows))
     return problems
