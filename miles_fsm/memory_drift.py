@@ -41,7 +41,8 @@ _Key = tuple[str, str, str, str | None]  # (state, kind, tag, the tag of the fig
 
 #: An outer figure -> the figure it holds whole, in the same process and snapshot: the outer is judged on
 #: (outer - inner) where the snapshot has the inner. 1 GiB of ``pin_memory=True`` raised the RSS by 1025 MiB
-#: on an H100; torch_memory_saver's regions go through torch's allocator (either hook mode), so it counts them.
+#: on an H100; torch_memory_saver's regions go through torch's allocator, which counts them (measured with
+#: hook_mode="torch": at OFFLOADED the device in use stood below torch:allocated by what was paused).
 INSIDE: Mapping[Figure, Figure] = MappingProxyType({
     ("device", "in_use"): ("device", "torch:reserved"),
     ("device", "torch:reserved"): ("device", "torch:allocated"),
