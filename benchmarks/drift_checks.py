@@ -6,6 +6,10 @@ untagged, as a user's code would. It passes when:
 - the live check named it within 4 cycles of its start (at cycle
   ``start + 3`` at the latest), by a figure that really grew (``EXPECTED``) and
   by no other;
+- it named it once: by one figure, the innermost that holds it
+  (``HELD_IN[kind][0]``) where the run's snapshots have that figure. The
+  figures that hold it (``miles_fsm.memory_drift.INSIDE``) grew with it, and
+  are judged on their growth outside it;
 - every figure it was named by has a slope within 15% of the true bytes per
   cycle, in the live finding and in replay's (refitted over the whole run);
 - replay names the same figures, on rank 0, and exits 3.
@@ -17,12 +21,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EXPECTED", "SLOPE_REL", "WITHIN_CYCLES", "check_healthy", "check_leak"]
+__all__ = ["EXPECTED", "HELD_IN", "SLOPE_REL", "WITHIN_CYCLES", "check_healthy", "check_leak"]
 
 #: The figures a leak of each kind grows: device memory kept by a tensor; page-locked host memory, touched.
 EXPECTED: dict[str, frozenset[tuple[str, str]]] = {
     "device": frozenset({("device", "in_use"), ("device", "torch:allocated"), ("device", "torch:reserved")}),
     "pinned": frozenset({("host", "torch:pinned"), ("rss", "process")}),
+}
+#: Per leak kind, the figures that hold it, innermost first: the first that a run's snapshots have names it.
+HELD_IN: dict[str, tuple[tuple[str, str], ...]] = {
+    "device": (("device", "torch:allocated"), ("device", "torch:reserved"), ("device", "in_use")),
+    "pinned": (("host", "torch:pinned"), ("rss", "process")),
 }
 #: Named within this many cycles of the leak's start (its first cycle counted).
 WITHIN_CYCLES = 4
@@ -44,6 +53,7 @@ def check_leak(run: dict[str, Any], *, kind: str, per_cycle: int, start: int) ->
         failed.append(f"{kind} leak: the live check never named it by {sorted(expected)}: {live}")
     if named - expected:
         failed.append(f"{kind} leak: named by figures that did not grow with it: {sorted(named - expected)}")
+    failed += _named_once(run, kind, named & expected)
     first = min((w["named_at"] for w in live if (w["kind"], w["tag"]) in expected), default=None)
     if first is not None and first > start + WITHIN_CYCLES - 1:
         failed.append(f"{kind} leak from cycle {start}: first named at cycle {first}, past {start + WITHIN_CYCLES - 1}")
@@ -63,6 +73,24 @@ def check_leak(run: dict[str, Any], *, kind: str, per_cycle: int, start: int) ->
     if replay.get("exit_code") != 3:
         failed.append(f"{kind} leak: replay exited {replay.get('exit_code')}, not 3")
     return failed
+
+
+def _has(snapshot: Any, figure: tuple[str, str]) -> bool:
+    kind, tag = figure
+    if not isinstance(snapshot, dict):
+        return False
+    return snapshot.get("rss") is not None if kind == "rss" else tag in (snapshot.get(kind) or {})
+
+
+def _named_once(run: dict[str, Any], kind: str, named: set[tuple[str, str]]) -> list[str]:
+    """The leak named once, by the innermost figure holding it that the run's snapshots have."""
+    if len(named) > 1:
+        return [f"{kind} leak: named {len(named)} times, by {sorted(named)}: once, by the innermost, is right"]
+    snapshots = (run.get("replay") or {}).get("training_snapshots") or []
+    innermost = next((f for f in HELD_IN[kind] if any(_has(s, f) for s in snapshots)), None)
+    if named and innermost is not None and named != {innermost}:
+        return [f"{kind} leak: named by {sorted(named)}, not by {innermost}, which holds it and the snapshots have"]
+    return []
 
 
 def check_healthy(run: dict[str, Any], *, strategy: str) -> list[str]:

@@ -18,10 +18,11 @@ writes ``drift_gpu.json`` (and the traces) under ``--out``:
    - ``device``: a CUDA tensor of ``--device-leak-mib`` (128), written;
    - ``pinned``: a ``pin_memory=True`` host tensor of ``--pinned-leak-mib`` (256), written.
 
-   Each must be named within 4 cycles of its start by a figure that really
-   grew (``drift_checks.EXPECTED``: device in use / torch's allocated and
-   reserved; torch's pinned bytes / the RSS) and no other, its slope within
-   15% of the truth, live and in replay (which exits 3).
+   Each must be named within 4 cycles of its start, once, by the innermost
+   figure that grew (``drift_checks.HELD_IN``: torch's allocated bytes, which
+   torch's reserved bytes and the device in use hold; torch's pinned bytes,
+   which the RSS holds) and no other, its slope within 15% of the truth, live
+   and in replay (which exits 3).
 
 Progress is printed per cycle; a failed check exits 1 with what failed (``failed`` in the JSON).
 """
@@ -77,7 +78,8 @@ def named_in(caught: list[Any], cycle: int) -> list[dict[str, Any]]:
 
     return [{"rank": m.rank, "kind": m.finding.kind, "tag": m.finding.tag, "state": m.finding.state,
              "named_at": cycle, "first_cycle": m.finding.first_cycle, "slope": m.finding.slope,
-             "grown": m.finding.grown} for m in (w.message for w in caught) if isinstance(m, MemoryDriftWarning)]  # fmt: skip
+             "grown": m.finding.grown, "inside": m.finding.inside, "grew_with": dict(m.finding.grew_with)}
+            for m in (w.message for w in caught) if isinstance(m, MemoryDriftWarning)]  # fmt: skip
 
 
 def _leak_maker(kind: str | None, nbytes: int) -> Any:

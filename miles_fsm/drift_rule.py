@@ -104,8 +104,12 @@ class Judgement:
     slope: float
 
 
-def judge(points: Sequence[Point], baseline: int, config: DriftConfig) -> Judgement | None:
-    """Whether ``points`` (one figure at one state, in cycle order, since ``baseline``'s cycle) are drift now."""
+def judge(points: Sequence[Point], baseline: int, config: DriftConfig, *, size: int | None = None) -> Judgement | None:
+    """Whether ``points`` (one figure at one state, in cycle order, since ``baseline``'s cycle) are drift now.
+
+    ``size``: what the threshold's relative tolerance scales with, where the points are not the figure
+    itself but its growth outside a figure it holds (``miles_fsm.memory_drift.INSIDE``); else ``baseline``.
+    """
     points = list(points)
     if len(points) < 2:
         return None
@@ -116,7 +120,7 @@ def judge(points: Sequence[Point], baseline: int, config: DriftConfig) -> Judgem
         return Judgement("sustained", start, repeated_median_slope(points[start:][-FIT_POINTS:]))
     # Judged once the figure has sustain_cycles cycles past its baseline, as growth is: over two or three
     # points an allocator's one-off segment is half the slope (248 MB/cycle for a 134 MB leak on an H100).
-    if len(points) > k and last - baseline > config.tolerance(baseline):
+    if len(points) > k and last - baseline > config.tolerance(baseline if size is None else size):
         # Fitted from where its latest rises began (not over the flat cycles before them), else since the baseline.
         rises = rising_steps(points)
         start = len(points) - 1 - rises if rises else 0

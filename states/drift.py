@@ -166,4 +166,4 @@ class DriftMonitor:
     def error(self, f: DriftFinding) -> MemoryDriftError:
         return MemoryDriftError(rank=self.rank, tag=f.tag, state=f.state, first_cycle=f.first_cycle,
                                 bytes_per_cycle=f.bytes_per_cycle, slope=f.slope, kind=f.kind,
-                                grown=f.grown)  # fmt: skip
+                                grown=f.grown, inside=f.inside, grew_with=f.grew_with)  # fmt: skip

@@ -174,7 +174,8 @@ class MemoryDriftError(MilesFsmError, RuntimeError):
     """A memory figure of one state grew cycle by cycle past the drift tolerance (``DriftConfig(policy="raise")``)."""
 
     def __init__(self, *, rank: int, tag: str, state: str, first_cycle: int, bytes_per_cycle: int, slope: float,
-                 kind: str = "device", grown: int = 0) -> None:  # fmt: skip
+                 kind: str = "device", grown: int = 0, inside: str | None = None,
+                 grew_with: tuple[tuple[str, int], ...] = ()) -> None:  # fmt: skip
         self.rank = rank
         self.tag = tag
         self.state = state
@@ -183,11 +184,37 @@ class MemoryDriftError(MilesFsmError, RuntimeError):
         self.slope = slope
         self.kind = kind
         self.grown = grown
+        #: The figure inside ``tag`` whose growth was taken out (``miles_fsm.memory_drift.INSIDE``), if any.
+        self.inside = inside
+        #: (tag, bytes): the figures holding this one that grew with it over the same cycles.
+        self.grew_with = tuple(grew_with)
+        outside = f" outside {inside!r}" if inside else ""
         #: What grew and where to look, without the advice on the policy (the warning under ``warn`` says it).
         self.summary = (
-            f"rank {rank}'s {kind} memory under tag {tag!r} at {state} grows by ~{bytes_per_cycle / 2**20:.1f} MiB "
-            f"per cycle since cycle {first_cycle} (least-squares slope {slope / 2**20:.2f} MiB/cycle, "
-            f"{grown / 2**20:.1f} MiB over its baseline). Something keeps memory alive across cycles: look for "
-            f"buffers kept under {tag!r} (host copies never dropped, pinned pages never freed, caches that grow)"
+            f"rank {rank}'s {kind} memory under tag {tag!r}{outside} at {state} grows by "
+            f"~{bytes_per_cycle / 2**20:.1f} MiB per cycle since cycle {first_cycle} (repeated-median slope "
+            f"{slope / 2**20:.2f} MiB/cycle, {grown / 2**20:.1f} MiB over its baseline){_held_by(self.grew_with)}. "
+            f"Something keeps memory alive across cycles: {_where(tag)}"
         )
         super().__init__(f"{self.summary}; to go on anyway, raise the tolerance or set DriftConfig(policy='warn').")
+
+
+def _held_by(grew_with: tuple[tuple[str, int], ...]) -> str:
+    """What the figures holding the one named did: they grew with it, and are not named for it."""
+    if not grew_with:
+        return ""
+    grown = " and ".join(f"{tag!r} (+{n / 2**20:.1f} MiB)" for tag, n in grew_with)
+    return f"; {grown} grew with it over the same cycles: they hold it, and are not named for it"
+
+
+def _where(tag: str) -> str:
+    if tag == "torch:allocated":
+        return "look for CUDA tensors kept from cycle to cycle (a list, a cache, a closure, a graph kept alive)"
+    if tag == "torch:pinned":
+        return "look for pinned host tensors kept from cycle to cycle (pin_memory=True, .pin_memory())"
+    if tag == "torch:reserved":
+        return "torch's allocator caches ever more than it hands out (fragmentation); try torch.cuda.empty_cache()"
+    if tag == "in_use":
+        return "device memory outside torch's allocator grows (another library's cudaMalloc, NCCL, another process)"
+    return (f"look for buffers kept under {tag!r} (host copies never dropped, pinned pages never freed, "
+            "caches that grow)")

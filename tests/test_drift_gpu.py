@@ -58,10 +58,39 @@ def _leak_run(warnings, *, leaks=None, exit_code=3):
     return {"warnings": warnings, "replay": {"exit_code": exit_code, "leaks": leaks}}
 
 
+def _snapshots(*figures):
+    """Replay's TRAINING snapshots holding ``figures`` ((kind, tag) pairs), as the script records them."""
+    snap = {"epoch": 3, "device": {}, "host": {}, "rss": None}
+    for kind, tag in figures:
+        if kind == "rss":
+            snap["rss"] = 1 << 33
+        else:
+            snap[kind][tag] = 1 << 30
+    return [snap]
+
+
 def test_a_device_leak_named_in_time_by_what_grew_passes():
-    """Named at cycle 6 (the 4th from cycle 3) by the device in use and torch's allocated bytes, slopes right."""
-    run = _leak_run([_warning("device", "torch:allocated", 6, 128 * MiB), _warning("device", "in_use", 6, 131 * MiB)])
+    """Named at cycle 6 (the 4th from cycle 3) by torch's allocated bytes alone, slope right: it passes."""
+    run = _leak_run([_warning("device", "torch:allocated", 6, 128 * MiB)])
+    run["replay"]["training_snapshots"] = _snapshots(("device", "in_use"), ("device", "torch:reserved"),
+                                                     ("device", "torch:allocated"))  # fmt: skip
     assert check_leak(run, kind="device", per_cycle=128 * MiB, start=3) == []
+
+
+def test_a_leak_named_twice_or_not_by_the_innermost_figure_fails():
+    """The H100 run of 2026-12-07 named one 128 MiB/cycle CUDA tensor leak twice, by torch's allocated bytes and
+    by the device in use (which holds them), the latter at 413 MB/cycle. A leak is named once, by the innermost
+    figure that holds it where the snapshots have it: torch's allocated bytes, torch's pinned bytes."""
+    twice = _leak_run([_warning("device", "torch:allocated", 6, 128 * MiB), _warning("device", "in_use", 6, 131 * MiB)])
+    assert any("named 2 times" in f for f in check_leak(twice, kind="device", per_cycle=128 * MiB, start=3))
+    outer = _leak_run([_warning("device", "in_use", 6, 128 * MiB)])
+    outer["replay"]["training_snapshots"] = _snapshots(("device", "in_use"), ("device", "torch:allocated"))
+    failed = check_leak(outer, kind="device", per_cycle=128 * MiB, start=3)
+    assert any("not by ('device', 'torch:allocated')" in f for f in failed), failed
+    rss = _leak_run([_warning("rss", "process", 5, 256 * MiB)])
+    rss["replay"]["training_snapshots"] = _snapshots(("rss", "process"), ("host", "torch:pinned"))
+    failed = check_leak(rss, kind="pinned", per_cycle=256 * MiB, start=3)
+    assert any("not by ('host', 'torch:pinned')" in f for f in failed), failed
 
 
 @pytest.mark.parametrize(
@@ -85,8 +114,10 @@ def test_a_leak_run_off_the_goal_fails(run, needle):
 
 
 def test_a_pinned_leak_seen_only_in_the_rss_passes():
-    """Pinned host memory is in the RSS (1 GiB pinned raised it 1025 MiB on the H100): that figure names it."""
-    run = _leak_run([_warning("rss", "process", 5, 257 * MiB), _warning("host", "torch:pinned", 6, 256 * MiB)])
+    """Pinned host memory is in the RSS (1 GiB pinned raised it 1025 MiB on the H100): where the snapshots have
+    no torch pinned bytes (CUDA never initialized), the RSS names it; named by the device, it fails."""
+    run = _leak_run([_warning("rss", "process", 5, 257 * MiB)])
+    run["replay"]["training_snapshots"] = _snapshots(("rss", "process"))
     assert check_leak(run, kind="pinned", per_cycle=256 * MiB, start=3) == []
     assert check_leak(_leak_run([_warning("device", "in_use", 5, 256 * MiB)]), kind="pinned",
                       per_cycle=256 * MiB, start=3)  # fmt: skip

@@ -77,7 +77,8 @@ def find_leaks(series: list[MemorySeries]) -> list[Leak]:
             tracker.add(epoch, state, figures_of(device, host, rss))
         leaks += [Leak(rank=s.rank, kind=f.kind, tag=f.tag, state=f.state, first_cycle=f.first_cycle,
                        bytes_per_cycle=f.bytes_per_cycle, slope=f.slope, grown=f.grown, baseline=f.baseline,
-                       cycles=f.cycles) for f in tracker.findings()]  # fmt: skip
+                       cycles=f.cycles, inside=f.inside, grew_with=dict(f.grew_with))
+                  for f in tracker.findings()]  # fmt: skip
     return leaks
 
 
@@ -123,11 +124,24 @@ def leak_lines(leaks: list[Leak]) -> list[tuple[str | None, str]]:
     if not leaks:
         return []
     lines: list[tuple[str | None, str]] = [("bold", f"\nLeaks ({len(leaks)})")]
-    lines += [("red", f"  rank {k['rank']}: {k['kind']} memory under {k['tag']!r} at {k['state']} grows "
+    lines += [("red", f"  rank {k['rank']}: {k['kind']} memory under {k['tag']!r}{_outside(k)} at {k['state']} grows "
                       f"{_mib(k['bytes_per_cycle'])}/cycle from cycle {k['first_cycle']} (slope "
-                      f"{_mib(round(k['slope']))}/cycle over {k['cycles']} cycles, +{_mib(k['grown'])} in all)")
+                      f"{_mib(round(k['slope']))}/cycle over {k['cycles']} cycles, +{_mib(k['grown'])} in all)"
+                      f"{_held_by(k)}")
               for k in leaks]  # fmt: skip
     return lines
+
+
+def _outside(k: Leak) -> str:
+    return f" outside {k['inside']!r}" if k.get("inside") else ""
+
+
+def _held_by(k: Leak) -> str:
+    """The figures holding the one named that grew with it: they are not named for it (``INSIDE``)."""
+    grew = k.get("grew_with") or {}
+    if not grew:
+        return ""
+    return "; " + " and ".join(f"{tag!r} +{_mib(n)}" for tag, n in grew.items()) + " grew with it (they hold it)"
 
 
 def _mib(n: int) -> str:

@@ -359,8 +359,8 @@ class Leak(TypedDict):
     """Memory one rank kept alive cycle after cycle under a tag (``miles_fsm.replay.leaks``).
 
     ``kind``: ``device``, ``host`` or ``rss`` (tag ``process``); ``state``: where the growth
-    passed the tolerance first; ``slope``: least squares over every cycle after the warm-up,
-    bytes per cycle; ``grown``: bytes over the baseline at the last cycle seen.
+    passed the tolerance first; ``slope``: the repeated median over the cycles since its growth
+    began, bytes per cycle; ``grown``: bytes over the baseline at the last cycle seen.
     """
 
     rank: int
@@ -373,3 +373,8 @@ class Leak(TypedDict):
     grown: int
     baseline: int
     cycles: int
+    #: The tag of the figure inside this one whose growth was taken out (``in_use`` less ``torch:reserved``),
+    #: None when judged whole; ``grew_with``: tag -> bytes of the figures holding it that grew with it
+    #: (``miles_fsm.memory_drift.INSIDE``).
+    inside: str | None
+    grew_with: dict[str, int]
