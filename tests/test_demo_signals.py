@@ -38,6 +38,15 @@ def _session(sid: int) -> set[int]:
     return {p.pid for p in live_processes() if p.sid == sid}
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    """End whatever of the demo's session is still alive (a failed test must not leave processes behind)."""
+    for pid in _session(proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _default_sigint() -> None:
     # As from a terminal: a suite started in the background inherits SIGINT ignored.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -83,11 +92,7 @@ def _signal_demo(tmp_path: Path, sig: int, inject: str | None, *, guard_s: float
         took = time.monotonic() - signalled
         left = _session(proc.pid)
     finally:
-        for pid in _session(proc.pid):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     assert not list(tmp.glob("pymp-*")), "multiprocessing's temp folder was left behind"
     return Stopped(proc, took, left, steps_at, (tmp_path / "out").read_text(), (tmp_path / "err").read_text())
 
@@ -202,11 +207,7 @@ def _signal_rank(tmp_path: Path, sig: int) -> RankSignalled:
         took, gone_at = time.monotonic() - signalled, time.time()
         left = _session(proc.pid)
     finally:
-        for pid in _session(proc.pid):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     return RankSignalled(proc, took, gone_at, left, (tmp_path / "out").read_text())
 
 
@@ -284,11 +285,7 @@ def test_a_sigterm_while_the_ranks_start_is_one_true_line(tmp_path):
             time.sleep(0.05)
         left = _session(proc.pid)
     finally:
-        for pid in _session(proc.pid):
-            os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
     assert not left, f"processes left behind: {sorted(left)}"
     assert not before, "a rank wrote its trace before the signal: the test came too late"

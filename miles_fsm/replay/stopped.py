@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from miles_fsm.ranks import plural_ranks
-from miles_fsm.replay.evidence import last_own_record, stopped_from_outside
+from miles_fsm.replay.evidence import SIGNALLED, last_own_record, stopped_from_outside
 from miles_fsm.replay.model import RankTrace
 from miles_fsm.replay.shapes import Accusation, StopHow, StoppedRank
 from miles_fsm.trace.schema import TRACE_CLOSED, TRANSITION_CANCELLED, TRANSITION_FINISHED, error_fields
@@ -107,9 +107,14 @@ def _summary(r: int, t: RankTrace | None, how: StopHow, w: _Where, *, unread: bo
         return f"rank {r} {_VERB[how]}: " + ("its trace was not read (--rank)" if unread else "it left no trace")
     if how == "cancelled":
         return f"rank {r} cancelled {w.transition} before its guard (epoch {w.epoch}, state {w.state}): it entered no collective"
+    # A rank that closed its trace on a signal sent to it alone left the run, but not of its own accord.
+    closed = t.closed or {}
+    verb = _VERB[how]
+    if how == "left" and closed.get("error") == SIGNALLED:
+        verb = f"was stopped by {error_fields(closed).get('signal') or 'a signal'} sent to its process alone"
     if t.open is not None:
-        return f"rank {r} {_VERB[how]} in {w.inside} (epoch {w.epoch}, state {w.state})"
-    return f"rank {r} {_VERB[how]} in {w.state}, {w.inside}"
+        return f"rank {r} {verb} in {w.inside} (epoch {w.epoch}, state {w.state})"
+    return f"rank {r} {verb} in {w.state}, {w.inside}"
 
 
 def _live(r: int, w: _Where, silent: float | None, bound: float | None, waiters: list[int], *, opened: bool) -> str:
