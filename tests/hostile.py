@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import resource
 import signal
 import struct
 import subprocess
@@ -47,36 +46,43 @@ class Run:
         return self.code == 2 and len(self.err.strip().splitlines()) == 1 and self.out == ""
 
 
-def _limits(memory: int, file_size: int | None) -> None:
+# A small launcher forks replay under the limits and reports its exit code and peak RSS (wait4). Not a
+# preexec_fn in the test process: a child forked from a large process counts the parent's pages in its
+# ru_maxrss. SIGXFSZ ignored: a write past RLIMIT_FSIZE then fails with EFBIG, as a write to a full disk fails.
+_LAUNCH = """import os, resource, signal, sys
+memory, size, report = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+pid = os.fork()
+if pid == 0:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    if file_size is not None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past it fails with EFBIG, as a full disk would
+    if size >= 0:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    os.execv(sys.argv[4], sys.argv[4:])
+_, status, usage = os.wait4(pid, 0)
+with open(report, "w") as f:
+    f.write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}")
+"""
 
 
 def bounded(*argv: str, seconds: float = SECONDS, memory: int = MEMORY, file_size: int | None = None) -> Run:
     """``miles-fsm replay *argv`` in a child under ``memory`` bytes of address space, killed after ``seconds``."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report"
+        limits = [str(memory), str(-1 if file_size is None else file_size), str(report)]
         start = time.monotonic()
-        p = subprocess.Popen([sys.executable, "-m", "miles_fsm", "replay", *argv], stdout=out, stderr=err,
-                             stdin=subprocess.DEVNULL, preexec_fn=lambda: _limits(memory, file_size))  # fmt: skip
-        killed = False
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() - start > seconds:
-                p.kill()
-                pid, status, usage = os.wait4(p.pid, 0)
-                killed = True
-                break
-            time.sleep(0.01)
-        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        p = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCH, *limits, sys.executable, "-m", "miles_fsm",
+                              "replay", *argv], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                             start_new_session=True)  # fmt: skip
+        try:
+            p.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # the launcher and replay: nothing is left behind
+            p.wait()
         wall = time.monotonic() - start
+        code, rss = (int(x) for x in report.read_text().split()) if report.exists() else (None, 0)
         out.seek(0)
         err.seek(0)
-        return Run(None if killed else p.returncode, out.read().decode(errors="replace"),
-                   err.read().decode(errors="replace"), wall, usage.ru_maxrss / 1024)  # fmt: skip
+        return Run(code, out.read().decode(errors="replace"), err.read().decode(errors="replace"), wall, rss / 1024)
 
 
 def entry(**over: Any) -> dict[str, Any]:

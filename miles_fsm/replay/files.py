@@ -200,8 +200,11 @@ def blocks(path: Path) -> Iterable[tuple[list[bytes], bool]]:
                 if nl < 0:
                     continue
                 block, skipping, head = block[nl + 1 :], False, [OVERSIZED]
+            joined = bool(tail)
             lines = (tail + block if tail else block).split(b"\n")
             tail = lines.pop()
+            if joined and lines and len(lines[0]) > MAX_LINE:  # begun in the block before: it may be longer
+                lines[0] = OVERSIZED
             if len(tail) > MAX_LINE:
                 tail, skipping = b"", True
             yield (head + lines if head else lines), True
