@@ -23,7 +23,7 @@ from miles_fsm.ranks import rank_ranges
 from miles_fsm.replay.checks import invalid
 from miles_fsm.replay.files import OVERSIZED, iter_lines
 from miles_fsm.replay.fr_groups import FrGroups, analyse
-from miles_fsm.replay.fr_native import load_native_dir
+from miles_fsm.replay.fr_native import load_native_dir, show
 from miles_fsm.replay.shapes import CollectiveEntry, FlightRecorderReport
 
 __all__ = ["FrReport", "RankCollective", "align", "explain"]
@@ -142,7 +142,7 @@ def align(traces: Mapping[int, Path], dumps: Mapping[int, fr.RankDump], *, run: 
     for rank, dump in sorted(dumps.items()):
         meta = {} if native else fr.dump_meta(dump.path)
         if run is not None and meta.get("run") not in (None, run):
-            problems.append(f"rank {rank}: {dump.path} is of run {meta['run']}, not {run}: left out")
+            problems.append(f"rank {rank}: {dump.path} is of run {show(meta['run'])}, not {run}: left out")
             continue
         guard_pg = meta.get("guard_pg")
         last = dump.last(skip_pgs=[guard_pg] if guard_pg else [])
