@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 import pickletools
 import struct
 import time
@@ -41,7 +42,7 @@ from hypothesis import strategies as st
 
 from miles_fsm.apps.cli import main
 from miles_fsm.flight_recorder import FlightRecorderError
-from miles_fsm.replay.fr_budget import MAX_DEPTH, MAX_NODES, DumpBudgetError
+from miles_fsm.replay.fr_budget import MAX_DEPTH, MAX_NODES, DumpBudgetError, scan
 from miles_fsm.replay.fr_native import load_dump
 
 P = "nccl_trace_rank_"
@@ -228,3 +229,19 @@ def test_deep_nesting_in_any_field_is_read_or_refused_in_one_line(tmp_path, fiel
         doc = dump_doc(ranks=HOLE) if field == "ranks" else dump_doc(entry(**{field: HOLE}))
     write(tmp_path, f"{P}0", spliced(doc, body))
     assert _cli(tmp_path) in (0, 2, 3)
+
+
+_LEAF = st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=20), st.binary(max_size=300),
+                  st.floats(allow_nan=False), st.booleans(), st.none())  # fmt: skip
+_TREE = st.recursive(_LEAF, lambda c: st.one_of(st.lists(c, max_size=5), st.tuples(c, c),
+                                                st.dictionaries(st.text(max_size=5), c, max_size=4)),
+                     max_leaves=40)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(_TREE, st.integers(0, 5), st.booleans())
+@example({"entries": [{"state": "scheduled"}]}, 2, True)
+def test_an_honest_pickle_within_the_budget_is_never_refused(value, protocol, shared):
+    """Whatever Python's pickler writes (every protocol, values shared through the memo) passes the scan when it
+    is within the budget: the budget refuses hostile files, not dumps."""
+    scan(pickle.dumps(value if not shared else [value, value, {"again": value}], protocol=protocol), "a dump")
