@@ -6,6 +6,7 @@ Exit 0: healthy; 3: a problem was diagnosed; 2: bad input (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -108,13 +109,31 @@ def _run(args: argparse.Namespace) -> int:
 def _print(args: argparse.Namespace, to_json: Callable[[], Any], report: Callable[[TextIO], None], code: int) -> int:
     """The ``--json`` object or the report on stdout, where the timeline went on stderr; ``code`` back."""
     if args.json:
-        sys.stdout.buffer.write(orjson.dumps(to_json(), option=orjson.OPT_INDENT_2) + b"\n")
+        doc = to_json()
+        try:
+            text = orjson.dumps(doc, option=orjson.OPT_INDENT_2)
+        except orjson.JSONEncodeError:  # a path that is not UTF-8 (a folder named in another encoding)
+            text = orjson.dumps(_utf8(doc), option=orjson.OPT_INDENT_2)
+        sys.stdout.buffer.write(text + b"\n")
         sys.stdout.flush()
     else:
+        if isinstance(sys.stdout, io.TextIOWrapper):
+            sys.stdout.reconfigure(errors="backslashreplace")  # a path that is not UTF-8 is shown as \xNN
         report(sys.stdout)
     if args.perfetto:
         sys.stderr.write(f"wrote the Perfetto timeline to {args.perfetto} (open it at https://ui.perfetto.dev)\n")
     return code
+
+
+def _utf8(v: Any) -> Any:
+    """``v`` with each string that holds bytes of a non-UTF-8 file name (surrogate escapes) spelled ``\\xNN``."""
+    if v.__class__ is str:
+        return v.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    if isinstance(v, dict):
+        return {_utf8(k): _utf8(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_utf8(x) for x in v]
+    return v
 
 
 def _run_dumps_only(args: argparse.Namespace) -> int:

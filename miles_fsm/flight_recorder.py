@@ -11,7 +11,6 @@ steps is the plan audit's (``miles_fsm.states.audit``) and replay's job.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 from collections.abc import Iterable, Sequence
@@ -128,13 +127,13 @@ def _raw() -> dict[str, Any]:
 def parse(entry: dict[str, Any]) -> FrEntry:
     """One raw FR entry (a dict of ``_dump_fr_trace_json``) as an ``FrEntry``."""
     name = str(entry.get("profiling_name", ""))
-    inputs = tuple(tuple(int(d) for d in s) for s in entry.get("input_sizes") or ())
-    outputs = tuple(tuple(int(d) for d in s) for s in entry.get("output_sizes") or ())
+    inputs = tuple(tuple(_whole(d) for d in s) for s in entry.get("input_sizes") or ())
+    outputs = tuple(tuple(_whole(d) for d in s) for s in entry.get("output_sizes") or ())
     pg = entry.get("process_group") or ["", ""]
     dtypes = entry.get("input_dtypes") or ()
     return FrEntry(
-        record_id=int(entry.get("record_id", -1)),
-        seq=int(entry.get("collective_seq_id", -1)),
+        record_id=_whole(entry.get("record_id", -1)),
+        seq=_whole(entry.get("collective_seq_id", -1)),
         op=name.split(":", 1)[-1],
         pg=str(pg[0]),
         pg_desc=str(pg[1]) if len(pg) > 1 else "",
@@ -143,9 +142,17 @@ def parse(entry: dict[str, Any]) -> FrEntry:
         output_sizes=outputs,
         dtype=str(dtypes[0]) if dtypes else None,
         retired=bool(entry.get("retired", False)),
-        time_ns=int(entry.get("time_created_ns", 0)),
+        time_ns=_whole(entry.get("time_created_ns", 0)),
         is_p2p=bool(entry.get("is_p2p", False)),
     )
+
+
+def _whole(v: Any) -> int:
+    """``int(v)`` when it fits 64 bits (torch's int64 and uint64 fields); ``ValueError`` otherwise."""
+    n = int(v)
+    if not -(1 << 63) <= n < 1 << 64:
+        raise ValueError(f"a number of {n.bit_length()} bits where a dump holds 64")
+    return n
 
 
 def _prod(shape: Sequence[int]) -> int:
@@ -216,23 +223,43 @@ def load_file(path: Path | str) -> RankDump:
 
 
 def read_file(path: Path | str) -> tuple[int, Any]:
-    """The rank of one JSON dump and torch's dump in it (its ``fr``, or the bare document), entries unread."""
+    """The rank of one JSON dump and torch's dump in it (its ``fr``, or the bare document), entries unread.
+
+    Read as replay reads every file (``miles_fsm.replay.files``): a regular file, up to a cap, nested no
+    deeper and holding no more than any dump (``miles_fsm.replay.fr_budget``).
+    """
+    from miles_fsm.replay.files import beyond, looks_like_a_rank, rank_number
+    from miles_fsm.replay.fr_native import show
+
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
-        raise FlightRecorderError(path=str(p), reason=f"{type(exc).__name__}: {exc}") from None
+    stem = p.name[len("fr-rank-") : -len(".json")] if p.name.startswith("fr-rank-") and p.name.endswith(".json") else ""
+    if looks_like_a_rank(stem):
+        raise FlightRecorderError(path=str(p), reason="not a dump's name: <r> of fr-rank-<r>.json is a rank in ASCII "
+                                  "digits without leading zeros; rename or remove it")  # fmt: skip
+    doc = _read_json(p)
     if not isinstance(doc, dict):
         raise FlightRecorderError(path=str(p), reason="not a JSON object")
     rank = doc.get("rank")
     if rank is None:
-        digits = p.stem.rsplit("-", 1)[-1]
-        if not digits.isdigit():
+        rank = rank_number(stem)
+        if rank is None:
             raise FlightRecorderError(path=str(p), reason="no rank in the file or its name (fr-rank-<r>.json)")
-        rank = int(digits)
-    if not isinstance(rank, int) or isinstance(rank, bool):
-        raise FlightRecorderError(path=str(p), reason=f"its 'rank' is {rank!r:.40}, not a whole number")
+    if rank.__class__ is not int or rank < 0:
+        raise FlightRecorderError(path=str(p), reason=f"its 'rank' is {show(rank)}, not a whole number")
+    why = beyond(rank)
+    if why is not None:
+        raise FlightRecorderError(path=str(p), reason=why)
     return rank, doc.get("fr", doc)
+
+
+def _read_json(p: Path) -> Any:
+    from miles_fsm.replay.fr_budget import bounded
+    from miles_fsm.replay.fr_native import read_dump_bytes
+
+    try:
+        return bounded(orjson.loads(read_dump_bytes(p)), str(p))
+    except orjson.JSONDecodeError as exc:
+        raise FlightRecorderError(path=str(p), reason=f"not JSON ({str(exc)[:80]})") from None
 
 
 def rank_dump(rank: int, raw: Any, path: Path | str) -> RankDump:
@@ -267,8 +294,9 @@ def load_dir(directory: Path | str) -> dict[int, RankDump]:
 def dump_meta(path: Path | str) -> dict[str, Any]:
     """The ``meta`` that ``dump`` wrote beside the entries ({} when none)."""
     try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        doc = _read_json(Path(path))
+    except FlightRecorderError:
         return {}
     meta = doc.get("meta") if isinstance(doc, dict) else None
-    return meta if isinstance(meta, dict) else {}
+    plain = (str, int, float, bool, type(None))
+    return {k: v for k, v in meta.items() if v.__class__ in plain} if isinstance(meta, dict) else {}

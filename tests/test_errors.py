@@ -11,9 +11,10 @@ import miles_fsm.drivers.errors as driver_errors
 import miles_fsm.errors as engine_errors
 import miles_fsm.flight_recorder as flight_recorder
 import miles_fsm.launch.local as launch
+import miles_fsm.replay.fr_budget as fr_budget
 import miles_fsm.replay.fr_native as fr_native
 import miles_fsm.replay.model as replay_model
-import miles_fsm.replay.perfetto as perfetto
+import miles_fsm.replay.outputs as outputs
 import miles_fsm.replay.runs as replay_runs
 import miles_fsm.states.errors as state_errors
 from miles_fsm.errors import LastSeen, MilesFsmError, describe, plain
@@ -42,6 +43,7 @@ SAMPLES = [
                                            declared=["all_gather@dp[64:bfloat16]"]),  # fmt: skip
     flight_recorder.FlightRecorderError(path="fr/fr-rank-0.json", reason="no 'entries' list"),
     fr_native.UnsafeDumpError(path="fr/nccl_trace_rank_0", name="posix.system"),
+    fr_budget.DumpBudgetError(path="fr/nccl_trace_rank_0", limit="16 levels of nesting", found="values nested 17 deep"),
     engine_errors.MemoryReleasedError(owner="trainer", op="hash", tags=["param_buffer"]),
     driver_errors.MissingDependencyError(package="httpx", extra="sglang-http", needed_for="the HTTP transport"),
     engine_errors.RankFailedError(rank=0, waiting_for="PAUSED", trigger="offload", epoch=1, step="backup(actor)",
@@ -76,7 +78,7 @@ SAMPLES = [
     engine_errors.RankRaisedError(rank=1, type_name="OSError", message="socket closed", traceback_text="Traceback ..."),
     replay_model.TraceDirError("traces/", "holds no rank-*.jsonl"),
     replay_runs.MixedRunsError("traces/", {"a": ["rank-0.jsonl"], "b": ["rank-1.jsonl"]}, ["rank 1"]),
-    perfetto.OutputPathError("traces/rank-0.jsonl", "would overwrite the run's evidence"),
+    outputs.OutputPathError("traces/rank-0.jsonl", "would overwrite the run's evidence"),
 ]
 
 

@@ -85,7 +85,7 @@ ERRORS_NAMES = [
 #: Modules outside ``miles_fsm.errors`` that define errors; the index names each of their classes.
 OTHER_ERROR_MODULES = ("miles_fsm.states.errors", "miles_fsm.drivers.errors", "miles_fsm.apps.errors",
                        "miles_fsm.launch.stopping", "miles_fsm.flight_recorder", "miles_fsm.replay.model",
-                       "miles_fsm.replay.runs", "miles_fsm.replay.perfetto")  # fmt: skip
+                       "miles_fsm.replay.runs", "miles_fsm.replay.outputs", "miles_fsm.replay.fr_budget")  # fmt: skip
 
 
 def _literal_all(path: Path) -> list[str]:

@@ -38,9 +38,11 @@ imports none of them: the engine never imports a layer above it):
   ``RankStoppedError``, ``RankSignalledError`` (and ``LaunchInterrupted``, a ``KeyboardInterrupt`` on
   purpose: no ``except Exception`` may swallow a Ctrl-C);
 - replay's: ``TraceDirError`` in ``miles_fsm.replay.model``, ``MixedRunsError``
-  in ``miles_fsm.replay.runs``, ``OutputPathError`` in ``miles_fsm.replay.perfetto``;
-  ``FlightRecorderError`` in ``miles_fsm.flight_recorder``, and its ``UnsafeDumpError``
-  (a torch-format dump that would run code) in ``miles_fsm.replay.fr_native``;
+  in ``miles_fsm.replay.runs``, ``OutputPathError`` in ``miles_fsm.replay.outputs``
+  (re-exported by ``miles_fsm.replay.perfetto``); ``FlightRecorderError`` in
+  ``miles_fsm.flight_recorder``, its ``UnsafeDumpError`` (a torch-format dump that
+  would run code) in ``miles_fsm.replay.fr_native`` and its ``DumpBudgetError`` (a dump
+  larger, deeper or longer than any dump) in ``miles_fsm.replay.fr_budget``;
 - the apps', in ``miles_fsm.apps.errors``: ``FaultLocatedError``, ``TraceDirUnusableError``.
 """
 

@@ -7,9 +7,14 @@ not read as a rank's trace, which it might shadow or stand in for; it is
 listed, and the replay of the directory is then never ok.
 
 Only regular files are read: a FIFO or a device named ``rank-0.jsonl`` would
-block or never end, so it is refused before anything is opened for reading.
-A line longer than a block is not a record any writer makes; it is skipped
+block or never end, so it is refused before anything is opened for reading,
+and every file is opened without blocking and checked again once open. A
+line longer than a block is not a record any writer makes; it is skipped
 and stands in the line numbering as ``OVERSIZED``.
+
+The same rules hold for every file replay reads: Flight Recorder dumps are
+named ``<prefix><r>`` with ``<r>`` spelled as above (``rank_number``), read
+whole only up to a cap (``read_capped``), and refused when not regular.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ from pathlib import Path
 from miles_fsm.replay.checks import MAX_RANKS
 from miles_fsm.replay.model import Damage, TraceDirError
 
-__all__ = ["MAX_LINE", "OVERSIZED", "RankFiles", "blocks", "default_workers", "find_traces", "iter_lines", "preview",
-           "rank_files"]  # fmt: skip
+__all__ = ["MAX_LINE", "OVERSIZED", "RankFiles", "beyond", "blocks", "default_workers", "find_traces", "iter_lines",
+           "kind_of", "looks_like_a_rank", "open_regular", "preview", "rank_files", "rank_number", "read_capped"]  # fmt: skip
 
-_NAME = re.compile(r"rank-(0|[1-9][0-9]*)\.jsonl")  # fullmatch: "$" would let a trailing newline through
+_NUMBER = re.compile(r"0|[1-9][0-9]*")  # fullmatch, ASCII only: "$" would let a trailing newline through
 _BLOCK = 1 << 24
 #: The longest line read; longer ones are reported, not parsed (memory stays bounded).
 MAX_LINE = _BLOCK
@@ -59,14 +64,15 @@ def rank_files(path: str | os.PathLike[str]) -> RankFiles:
         names = os.listdir(root)
     except OSError as exc:
         raise TraceDirError(root, f"cannot list it ({exc.strerror or exc})") from exc
-    found = {int(m.group(1)): root / n for n in names if (m := _NAME.fullmatch(n))}
-    odd = sorted(n for n in names if _looks_like_a_rank_file(n) and not _NAME.fullmatch(n))
+    found = {r: root / n for n in names if (r := _trace_rank(n)) is not None}
+    odd = sorted(n for n in names if _looks_like_a_rank_file(n) and _trace_rank(n) is None)
     if not found:
         also = f" ({', '.join(map(repr, odd[:4]))}: {_NOT_A_NAME})" if odd else ""
         raise TraceDirError(root, f"holds no rank-<r>.jsonl trace files{also}")
     for rank, p in found.items():
-        if rank >= MAX_RANKS:
-            raise TraceDirError(p, f"rank {rank} is beyond any world replay reads (at most {MAX_RANKS} ranks)")
+        why = beyond(rank)
+        if why is not None:
+            raise TraceDirError(p, why)
         try:
             mode = os.stat(p).st_mode  # follows a symlink: its target must be a regular file
         except OSError as exc:
@@ -77,6 +83,31 @@ def rank_files(path: str | os.PathLike[str]) -> RankFiles:
 
 
 _NOT_A_NAME = "not a rank file name (a rank's trace is rank-<r>.jsonl, <r> in ASCII digits without leading zeros)"
+
+
+def rank_number(text: str) -> int | None:
+    """The rank ``text`` spells as a writer spells it (ASCII digits, no leading zero), else None.
+
+    The one rule for every file named after a rank: traces and Flight Recorder dumps alike.
+    """
+    return int(text) if _NUMBER.fullmatch(text) else None
+
+
+def looks_like_a_rank(text: str) -> bool:
+    """``text`` reads as a number some other way (``01``, a non-ASCII digit, a space): a look-alike, never a rank."""
+    t = text.strip()
+    return bool(t) and (t.isdigit() or t.isdecimal() or t.isnumeric()) and rank_number(text) is None
+
+
+def beyond(rank: int) -> str | None:
+    """Why ``rank`` is not believed (at or above ``MAX_RANKS``), or None."""
+    return f"rank {rank} is beyond any world replay reads (at most {MAX_RANKS} ranks)" if rank >= MAX_RANKS else None
+
+
+def _trace_rank(name: str) -> int | None:
+    if not (name.startswith("rank-") and name.endswith(".jsonl")):
+        return None
+    return rank_number(name[len("rank-") : -len(".jsonl")])
 
 
 def _looks_like_a_rank_file(name: str) -> bool:
@@ -95,9 +126,46 @@ def _misnamed(name: str, found: dict[int, Path]) -> str:
 
 def _check_regular(path: Path, mode: int) -> None:
     if not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")  # fmt: skip
-        raise TraceDirError(path, f"is {kind}, not a regular file; replay reads only regular files")
+        raise TraceDirError(path, f"is {kind_of(mode)}, not a regular file; replay reads only regular files")
+
+
+def kind_of(mode: int) -> str:
+    """What a file that is not regular is, in words."""
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a regular file" if stat.S_ISREG(mode) else "not a file")  # fmt: skip
+
+
+def open_regular(path: Path) -> int:
+    """A descriptor of ``path`` opened without blocking, once it is known to be a regular file.
+
+    A FIFO or a device opened to read may block or never end: it is refused (``TraceDirError``) before a
+    byte is read, whatever its name. ``OSError`` when it cannot be opened at all.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        _check_regular(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_capped(path: Path, limit: int, what: str) -> bytes:
+    """The whole of a regular file of at most ``limit`` bytes (``what`` names the cap in the refusal).
+
+    ``TraceDirError`` for a file that is not regular or is larger (its size is checked before, and its length
+    while, it is read: a file that grows as it is read is refused too); ``OSError`` when it cannot be read.
+    """
+    fd = open_regular(path)
+    with open(fd, "rb", buffering=0) as f:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise TraceDirError(path, f"is {size} bytes, over the {limit}-byte cap of {what}; not read")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TraceDirError(path, f"grew past the {limit}-byte cap of {what} while it was read; not read")
+    return data
 
 
 def default_workers(paths: Iterable[Path]) -> int:
@@ -119,9 +187,7 @@ def blocks(path: Path) -> Iterable[tuple[list[bytes], bool]]:
     Opened without blocking and checked again once open, so a file swapped
     for a FIFO after ``find_traces`` looked cannot hang the reader.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with open(fd, "rb", buffering=0) as f:
-        _check_regular(path, os.fstat(fd).st_mode)
+    with open(open_regular(path), "rb", buffering=0) as f:
         tail = b""
         skipping = False  # inside a line over MAX_LINE: drop bytes up to its newline
         while True:
@@ -134,8 +200,11 @@ def blocks(path: Path) -> Iterable[tuple[list[bytes], bool]]:
                 if nl < 0:
                     continue
                 block, skipping, head = block[nl + 1 :], False, [OVERSIZED]
+            joined = bool(tail)
             lines = (tail + block if tail else block).split(b"\n")
             tail = lines.pop()
+            if joined and lines and len(lines[0]) > MAX_LINE:  # begun in the block before: it may be longer
+                lines[0] = OVERSIZED
             if len(tail) > MAX_LINE:
                 tail, skipping = b"", True
             yield (head + lines if head else lines), True

@@ -11,7 +11,7 @@ in reduce_scatter #39 during train (epoch 5)".
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +20,10 @@ import orjson
 
 from miles_fsm import flight_recorder as fr
 from miles_fsm.ranks import rank_ranges
+from miles_fsm.replay.checks import invalid
+from miles_fsm.replay.files import OVERSIZED, iter_lines
 from miles_fsm.replay.fr_groups import FrGroups, analyse
-from miles_fsm.replay.fr_native import load_native_dir
+from miles_fsm.replay.fr_native import load_native_dir, show
 from miles_fsm.replay.shapes import CollectiveEntry, FlightRecorderReport
 
 __all__ = ["FrReport", "RankCollective", "align", "explain"]
@@ -88,20 +90,20 @@ class FrReport:
                 "groups": None if self.groups is None else self.groups.to_json()}  # fmt: skip
 
 
-def _records(path: Path, run: str | None) -> list[dict[str, Any]]:
-    out = []
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                rec = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue  # a torn last line: replay's own reader reports it
-            if isinstance(rec, dict) and (run is None or rec.get("run") == run):
-                out.append(rec)
-    return out
+def _records(path: Path, run: str | None) -> Iterator[dict[str, Any]]:
+    """The trace's records (of ``run``), read as the fold reads them: in blocks, a line over 16 MiB never read."""
+    for _, line, _complete in iter_lines(path):
+        if line is OVERSIZED:
+            continue
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue  # a torn or damaged line: replay's own reader reports it
+        if rec.__class__ is dict and invalid(rec) is None and (run is None or rec.get("run") == run):
+            yield rec
 
 
-def _place(records: list[dict[str, Any]], t_ns: int) -> tuple[str, int | None, list[str] | None]:
+def _place(records: Iterable[dict[str, Any]], t_ns: int) -> tuple[str, int | None, list[str] | None]:
     """The step a collective created at wall time ``t_ns`` was issued in, its epoch, and the collectives its
     step's guarded plan declared (None: no plan traced)."""
     where: str = "start"
@@ -109,11 +111,13 @@ def _place(records: list[dict[str, Any]], t_ns: int) -> tuple[str, int | None, l
     planned: list[str] | None = None
     plans: dict[str, list[str]] = {}
     for rec in records:
-        if rec.get("wall", 0) * 1e9 > t_ns:
+        wall = rec.get("wall")
+        if wall.__class__ in (int, float) and wall * 1e9 > t_ns:
             break
         event, trigger = rec.get("event"), rec.get("trigger")
         if event == "guard_entered":
-            plans[str(trigger)] = [str(c).split("@", 1)[0] for c in rec.get("collectives") or ()]
+            cols = rec.get("collectives")
+            plans[str(trigger)] = [str(c).split("@", 1)[0] for c in cols] if cols.__class__ is list else []
             where, epoch, planned = f"guard of {trigger}", rec.get("epoch"), None
         elif event == "guard_passed":
             where, epoch, planned = str(trigger), rec.get("epoch"), plans.get(str(trigger))
@@ -138,7 +142,7 @@ def align(traces: Mapping[int, Path], dumps: Mapping[int, fr.RankDump], *, run: 
     for rank, dump in sorted(dumps.items()):
         meta = {} if native else fr.dump_meta(dump.path)
         if run is not None and meta.get("run") not in (None, run):
-            problems.append(f"rank {rank}: {dump.path} is of run {meta['run']}, not {run}: left out")
+            problems.append(f"rank {rank}: {dump.path} is of run {show(meta['run'])}, not {run}: left out")
             continue
         guard_pg = meta.get("guard_pg")
         last = dump.last(skip_pgs=[guard_pg] if guard_pg else [])

@@ -20,14 +20,21 @@ from __future__ import annotations
 
 import ast
 import io
+import os
 import pickle
 import re
+import reprlib
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from miles_fsm import flight_recorder as fr
+from miles_fsm.replay.checks import MAX_RANKS
+from miles_fsm.replay.files import beyond, kind_of, looks_like_a_rank, rank_number, read_capped
+from miles_fsm.replay.fr_budget import MAX_DUMP_BYTES, bounded, scan
+from miles_fsm.replay.model import TraceDirError
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -80,30 +87,41 @@ class _Restricted(pickle.Unpickler):
         raise UnsafeDumpError(path=self.path, name=f"a persistent object ({str(pid)[:40]})")
 
 
-def load_dump(path: Path | str) -> dict[str, Any]:
-    """One rank's dump, checked to be one; ``FlightRecorderError`` (``UnsafeDumpError``) otherwise."""
-    p = str(path)
+def read_dump_bytes(path: Path | str) -> bytes:
+    """A dump file's bytes: a regular file of at most ``MAX_DUMP_BYTES``, opened without blocking."""
     try:
-        data = Path(path).read_bytes()
+        return read_capped(Path(path), MAX_DUMP_BYTES, "a Flight Recorder dump")
+    except TraceDirError as exc:
+        raise fr.FlightRecorderError(path=str(path), reason=exc.reason) from None
     except OSError as exc:
-        raise fr.FlightRecorderError(path=p, reason=f"cannot read it ({exc.strerror or exc})") from None
+        raise fr.FlightRecorderError(path=str(path), reason=f"cannot read it ({exc.strerror or exc})") from None
+
+
+def load_dump(path: Path | str) -> dict[str, Any]:
+    """One rank's dump, checked to be one; ``FlightRecorderError`` (``UnsafeDumpError``, ``DumpBudgetError``)
+    otherwise. Its opcodes are checked against the budget (``fr_budget``) before anything is built."""
+    p = str(path)
+    data = read_dump_bytes(path)
+    scan(data, p)
     try:
         doc = _Restricted(data, p).load()
     except UnsafeDumpError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            OverflowError) as exc:  # fmt: skip
         # What a cut-off or foreign file makes the unpickler raise; the file is named, the job can go on.
         cut = isinstance(exc, EOFError) or "truncated" in str(exc)
         why = "it ends early (truncated)" if cut else f"not a pickle ({type(exc).__name__})"
         raise fr.FlightRecorderError(path=p, reason=f"{why}: {str(exc)[:80] or 'no detail'}") from None
-    return checked(doc, p)
+    return checked(bounded(doc, p), p)
 
 
 def checked(doc: Any, path: str) -> dict[str, Any]:
     """``doc`` if it is a dump: a dict with a version, a pg_config dict and entries torch's analyzer can read.
 
-    Every field replay or torch's analyzer reads is checked for its type here, so a malformed dump is one
-    error naming its file and field, not a traceback from deep inside either.
+    Every field replay or torch's analyzer reads is checked for its type here, before it is used or shown,
+    so a malformed dump is one error naming its file and field, not a traceback from deep inside either.
+    ``doc`` must be ``bounded`` (``fr_budget``) first: the checks walk what it holds.
     """
     if not isinstance(doc, dict) or not isinstance(doc.get("entries"), list):
         raise fr.FlightRecorderError(path=path, reason="not a Flight Recorder dump (no 'entries' list)")
@@ -113,24 +131,46 @@ def checked(doc: Any, path: str) -> dict[str, Any]:
     _check_groups(doc["pg_config"], path)
     for i, e in enumerate(doc["entries"]):
         lacks = [k for k in _ENTRY_KEYS if not isinstance(e, dict) or k not in e]
-        pg = e.get("process_group") if isinstance(e, dict) else None
-        if lacks or not isinstance(pg, (list, tuple)) or len(pg) != 2 or ":" not in str(e["profiling_name"]):
+        pg: Any = e.get("process_group") if isinstance(e, dict) else None
+        name: Any = e.get("profiling_name") if isinstance(e, dict) else None
+        if lacks or not _is_list(pg, _is_str) or len(pg) != 2 or name.__class__ is not str or ":" not in name:
             what = f"lacks {', '.join(lacks)}" if lacks else "has a malformed process_group or profiling_name"
             raise fr.FlightRecorderError(path=path, reason=f"entry {i} {what}: not a Flight Recorder dump this "
                                          "torch writes")  # fmt: skip
         for key, (ok, want) in _ENTRY_TYPES.items():
             if key in e and not ok(e[key]):
-                raise fr.FlightRecorderError(path=path, reason=f"entry {i}'s {key} is {e[key]!r:.40}, not {want}: "
+                raise fr.FlightRecorderError(path=path, reason=f"entry {i}'s {key} is {show(e[key])}, not {want}: "
                                              "not a Flight Recorder dump this torch writes")  # fmt: skip
     return doc
 
 
+class _Shown(reprlib.Repr):
+    """A value of a hostile file as a line may show it: a few items, a few levels, no huge number spelled out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 2, 40, 40
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+
+    def repr_int(self, x: int, level: int) -> str:
+        return repr(x) if -_BIG < x < _BIG else f"<an integer of {x.bit_length()} bits>"
+
+
+_BIG = 10**40
+show = _Shown().repr
+
+
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """A whole number a dump may hold: 64 bits, signed or not (torch writes int64 and uint64)."""
+    return v.__class__ is int and -(1 << 63) <= v < (1 << 64)
+
+
+def _is_str(v: Any) -> bool:
+    return v.__class__ is str
 
 
 def _is_list(v: Any, each: Any) -> bool:
-    return isinstance(v, (list, tuple)) and all(each(x) for x in v)
+    return v.__class__ in (list, tuple) and all(each(x) for x in v)
 
 
 def _is_shapes(v: Any) -> bool:
@@ -138,7 +178,7 @@ def _is_shapes(v: Any) -> bool:
 
 
 def _is_strings(v: Any) -> bool:
-    return _is_list(v, lambda x: isinstance(x, str))
+    return _is_list(v, _is_str)
 
 
 #: What each entry field must be (checked only when present: ``retired`` is newer than some dumps).
@@ -146,9 +186,9 @@ _ENTRY_TYPES: dict[str, tuple[Any, str]] = {
     **{k: (_is_int, "a whole number") for k in ("record_id", "collective_seq_id", "p2p_seq_id", "time_created_ns")},
     **{k: (_is_shapes, "a list of shapes such as [[4]]") for k in ("input_sizes", "output_sizes")},
     **{k: (_is_strings, "a list of dtype names") for k in ("input_dtypes", "output_dtypes")},
-    "state": (lambda v: isinstance(v, str), "a state name"),
-    "is_p2p": (lambda v: isinstance(v, bool), "true or false"),
-    "retired": (lambda v: isinstance(v, bool), "true or false"),
+    "state": (_is_str, "a state name"),
+    "is_p2p": (lambda v: v.__class__ is bool, "true or false"),
+    "retired": (lambda v: v.__class__ is bool, "true or false"),
 }
 
 
@@ -161,18 +201,30 @@ def _check_groups(config: dict[Any, Any], path: str) -> None:
     for name, group in config.items():
         if not name or not isinstance(group, dict) or group.get("ranks") == "[]":
             continue  # gloo's placeholder or no group: ``normalise`` drops it, torch never reads it
+        if not _is_str(name):
+            raise fr.FlightRecorderError(path=path, reason=f"pg_config has a group named {show(name)}, not by a "
+                                         "string: not a Flight Recorder dump this torch writes")  # fmt: skip
         lacks = [k for k in ("desc", "ranks") if k not in group]
         if lacks:
-            raise fr.FlightRecorderError(path=path, reason=f"pg_config[{name!r}] lacks {', '.join(lacks)}: not a "
-                                         "Flight Recorder dump this torch writes")  # fmt: skip
+            raise fr.FlightRecorderError(path=path, reason=f"pg_config[{show(name)}] lacks {', '.join(lacks)}: not "
+                                         "a Flight Recorder dump this torch writes")  # fmt: skip
         ranks = group["ranks"]
-        try:
-            parsed = ast.literal_eval(ranks) if isinstance(ranks, str) else None
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            parsed = None  # refused just below, with the text that failed
-        if not _is_list(parsed, _is_int):
-            raise fr.FlightRecorderError(path=path, reason=f"pg_config[{name!r}] ranks is {ranks!r:.40}, not the "
-                                         "text of a list of ranks such as '[0, 1]'")  # fmt: skip
+        parsed = _rank_list(ranks)
+        if parsed is None:
+            raise fr.FlightRecorderError(path=path, reason=f"pg_config[{show(name)}] ranks is {show(ranks)}, not the "
+                                         f"text of a list of ranks below {MAX_RANKS} such as '[0, 1]'")  # fmt: skip
+
+
+def _rank_list(ranks: Any) -> list[int] | None:
+    """The ranks a group's ``ranks`` text lists (each below ``MAX_RANKS``), or None. Only the text of a list of
+    numbers is parsed: torch's analyzer ``eval``s what ``ast.literal_eval`` cannot read."""
+    if not _is_str(ranks) or len(ranks) > 8 * MAX_RANKS or not re.fullmatch(r"\[[0-9, ]*\]", ranks):
+        return None
+    try:
+        parsed = ast.literal_eval(ranks)
+    except (ValueError, SyntaxError):
+        return None
+    return parsed if _is_list(parsed, lambda r: r.__class__ is int and 0 <= r < MAX_RANKS) else None
 
 
 def dump_files(directory: Path | str, prefix: str | None = None) -> tuple[str, dict[int, Path]]:
@@ -186,7 +238,8 @@ def dump_files(directory: Path | str, prefix: str | None = None) -> tuple[str, d
     if not d.is_dir():
         raise fr.FlightRecorderError(path=str(d), reason="not a directory")
     found: tuple[str, dict[int, Path]] = (prefix or DEFAULT_PREFIX, {})
-    for files in (sorted(p for p in d.iterdir() if p.is_file()), sorted(p for p in d.rglob("*") if p.is_file())):
+    # Every name but a folder's: a FIFO or a device named as a dump is refused, never skipped.
+    for files in (sorted(p for p in d.iterdir() if not p.is_dir()), sorted(p for p in d.rglob("*") if not p.is_dir())):
         found = _match(files, prefix, d)
         if found[1]:
             break
@@ -195,13 +248,13 @@ def dump_files(directory: Path | str, prefix: str | None = None) -> tuple[str, d
 
 def _match(files: list[Path], prefix: str | None, d: Path) -> tuple[str, dict[int, Path]]:
     if prefix is None:
-        prefix = DEFAULT_PREFIX if any(_rank_of(p.name, DEFAULT_PREFIX) is not None for p in files) else \
-            _infer_prefix([p.name for p in files if re.search(r"\d$", p.name)], str(d))  # fmt: skip
+        prefix = DEFAULT_PREFIX if any(p.name.startswith(DEFAULT_PREFIX) for p in files) else \
+            _infer_prefix([p.name for p in files if re.search(r"[0-9]$", p.name)], str(d))  # fmt: skip
     if prefix is None:
         return DEFAULT_PREFIX, {}
     found: dict[int, Path] = {}
     for p in files:
-        rank = _rank_of(p.name, prefix)
+        rank = _rank_of(p, prefix)
         if rank is None:
             continue
         if rank in found:
@@ -211,9 +264,32 @@ def _match(files: list[Path], prefix: str | None, d: Path) -> tuple[str, dict[in
     return prefix, found
 
 
-def _rank_of(name: str, prefix: str) -> int | None:
-    rest = name[len(prefix):] if name.startswith(prefix) else ""
-    return int(rest) if rest.isdigit() else None
+def _rank_of(path: Path, prefix: str) -> int | None:
+    """The rank of a file named ``<prefix><r>`` (the traces' rule for ``<r>``), None for another name.
+
+    A look-alike (``<prefix>01``, a non-ASCII digit), a rank beyond ``MAX_RANKS`` or a dump that is not a
+    regular file is refused: skipped, it would leave a rank "missing" that did dump, or shadow one.
+    """
+    name = path.name
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix) :]
+    rank = rank_number(rest)
+    if rank is None:
+        if looks_like_a_rank(rest):
+            raise fr.FlightRecorderError(path=str(path), reason=f"not a dump's name: <r> of {prefix}<r> is a rank in "
+                                         "ASCII digits without leading zeros; rename or remove it")  # fmt: skip
+        return None
+    why = beyond(rank)
+    if why is None:
+        try:
+            mode = os.stat(path).st_mode  # follows a symlink: its target must be a regular file
+        except OSError as exc:
+            raise fr.FlightRecorderError(path=str(path), reason=f"cannot read it ({exc.strerror or exc})") from None
+        why = None if stat.S_ISREG(mode) else f"is {kind_of(mode)}, not a regular file; replay reads only regular files"
+    if why is not None:
+        raise fr.FlightRecorderError(path=str(path), reason=why)
+    return rank
 
 
 def _infer_prefix(names: list[str], where: str) -> str | None:

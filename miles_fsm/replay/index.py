@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import stat
 import zlib
 from array import array
 from dataclasses import dataclass, fields
@@ -33,12 +34,26 @@ from typing import Any
 
 import msgspec
 
-from miles_fsm.replay.model import BadLine, Damage, Duplicate, Illegal, MachineTable, Note, Position, RankTrace
+from miles_fsm.replay.files import kind_of, open_regular, read_capped
+from miles_fsm.replay.model import (
+    BadLine,
+    Damage,
+    Duplicate,
+    Illegal,
+    MachineTable,
+    Note,
+    Position,
+    RankTrace,
+    TraceDirError,
+)
 from miles_fsm.trace.paths import index_path
 
 __all__ = ["IndexCheck", "check_index", "load_index", "write_index"]
 
 _FORMAT = 1
+#: An index larger than this many times its trace, plus the slack, is none: a fold is smaller than its lines.
+_MAX_INDEX_OVER = 2
+_MAX_INDEX_SLACK = 1 << 20
 _ARRAYS = ("epochs", "sigs", "guards", "work_s")
 _RECORDS: dict[str, type] = {"duplicates": Duplicate, "bad": BadLine, "damaged": Damage, "notes": Note,
                              "illegal": Illegal}  # fmt: skip
@@ -105,13 +120,12 @@ def check_index(trace: str | os.PathLike[str], rank: int) -> IndexCheck:
     any other index is as good as none.
     """
     trace = Path(trace)
-    try:
-        raw = index_path(trace).read_bytes()
-    except OSError:
-        return _NONE  # no index (or none readable): the lines are read instead, which is never wrong
+    raw = _read(trace)
+    if raw is None:
+        return _NONE
     try:
         doc = _decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return _NONE  # a damaged or foreign index is as good as none
     if doc.format != _FORMAT or doc.rank != rank:
         return _NONE
@@ -134,6 +148,26 @@ def check_index(trace: str | os.PathLike[str], rank: int) -> IndexCheck:
 
 
 _NONE = IndexCheck()
+
+
+def _read(trace: Path) -> bytes | None:
+    """The index's bytes, or None where there is none worth reading (none, unreadable, larger than any index of
+    that trace: the lines are read instead, which is never wrong). One that is not a regular file (a FIFO would
+    block the reader) is refused as a trace would be: ``TraceDirError``."""
+    path = index_path(trace)
+    try:
+        mode, size = (st := os.stat(path)).st_mode, st.st_size
+        limit = _MAX_INDEX_OVER * os.stat(trace).st_size + _MAX_INDEX_SLACK
+    except OSError:
+        return None
+    if not stat.S_ISREG(mode):
+        raise TraceDirError(path, f"is {kind_of(mode)}, not a regular file; replay reads only regular files")
+    if size > limit:
+        return None
+    try:
+        return read_capped(path, limit, "the index of a trace that size")
+    except OSError:
+        return None
 
 
 @cache
@@ -162,7 +196,7 @@ def _checksum(path: Path) -> tuple[int, int]:
     size = crc = 0
     buf = bytearray(1 << 20)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open(open_regular(path), "rb", buffering=0) as f:
         while n := f.readinto(buf):
             crc = zlib.crc32(view[:n], crc)
             size += n

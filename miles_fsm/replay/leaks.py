@@ -10,15 +10,19 @@ set is fixed): ``Diagnosis.leaks``; a run with leaks exits 3 (docs/memory-drift.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from miles_fsm.config import DriftConfig
 from miles_fsm.errors import ConfigError
 from miles_fsm.memory_drift import DriftTracker, figures_of
+from miles_fsm.replay.checks import invalid, plain_int
+from miles_fsm.replay.files import OVERSIZED, iter_lines
 from miles_fsm.replay.shapes import Leak
 from miles_fsm.trace.schema import MEMORY_SNAPSHOT, TRACE_OPENED
 
@@ -38,16 +42,16 @@ class MemorySeries:
 
 
 def _records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    with open(path, "rb") as f:
-        for line in f:
-            if not any(m in line for m in _MARKS):
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:  # damage: the fold reports it; a leak is judged on what parses
-                continue
-            if isinstance(rec, dict):
-                yield rec
+    """The records that name a mark, read as the fold reads lines: in blocks, a line over 16 MiB never read."""
+    for _, line, _complete in iter_lines(Path(path)):
+        if line is OVERSIZED or not any(m in line for m in _MARKS):
+            continue
+        try:
+            rec = orjson.loads(line)  # nested too deep for it: JSONDecodeError, never a RecursionError
+        except orjson.JSONDecodeError:  # damage: the fold reports it; a leak is judged on what parses
+            continue
+        if rec.__class__ is dict and invalid(rec) is None:
+            yield rec
 
 
 def read_memory(rank: int, path: str | os.PathLike[str], *, run: str | None = None) -> MemorySeries:
@@ -59,7 +63,7 @@ def read_memory(rank: int, path: str | os.PathLike[str], *, run: str | None = No
         if rec.get("event") == TRACE_OPENED:
             series.config = _config(rec.get("drift"))
         elif rec.get("event") == MEMORY_SNAPSHOT and isinstance(rec.get("epoch"), int):
-            series.snapshots.append((_int(rec.get("mono_ns")) or 0, rec["epoch"], str(rec.get("state")),
+            series.snapshots.append((plain_int(rec.get("mono_ns")) or 0, rec["epoch"], str(rec.get("state")),
                                      _ints(rec.get("device")), _ints(rec.get("host")), _int(rec.get("rss"))))  # fmt: skip
     return series
 

@@ -21,18 +21,17 @@ still open when a trace ends is closed there and marked ``unfinished``.
 from __future__ import annotations
 
 import os
-import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from miles_fsm.errors import MilesFsmError
 from miles_fsm.replay.checks import invalid, label
 from miles_fsm.replay.model import EpochRange, RankTrace
 from miles_fsm.replay.order import records
+from miles_fsm.replay.outputs import OutputPathError, check_output, written
 from miles_fsm.trace.schema import (
     ACTION_FINISHED,
     ACTION_STARTED,
@@ -53,41 +52,6 @@ from miles_fsm.trace.schema import (
 
 __all__ = ["STATE_TID", "TRANSITION_TID", "OutputPathError", "check_output", "export_perfetto"]
 
-
-class OutputPathError(MilesFsmError, ValueError):
-    """``--perfetto OUT`` cannot be written there: bad input, exit code 2."""
-
-    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"--perfetto {self.path}: {reason}")
-
-
-#: Names of a run's own evidence: rank traces (rotated too), their indexes, Flight Recorder dumps (torch's too).
-_EVIDENCE = re.compile(r"^(rank-[^/]*\.jsonl(\.\d+)?|.*\.index|fr-rank-[^/]*\.json|nccl_trace_rank_\d+)$")
-
-
-def check_output(out: str | os.PathLike[str], inputs: Iterable[Path], folders: Iterable[str | os.PathLike[str]] = ()) -> None:
-    """Raise ``OutputPathError`` unless ``out`` can be written and overwrites none of the run's evidence.
-
-    ``folders``: where the run's traces and Flight Recorder dumps are; a file there named as one of them
-    (``rank-*.jsonl``, ``*.index``, ``fr-rank-*.json``) is refused, whether or not this replay reads it.
-    """
-    path = Path(out)
-    if path.is_dir():
-        raise OutputPathError(path, "is a directory; give a file name such as trace.json")
-    folder = path.parent
-    if not folder.is_dir():
-        raise OutputPathError(path, f"its folder {folder} does not exist")
-    if not os.access(path if path.exists() else folder, os.W_OK):
-        raise OutputPathError(path, f"{'it' if path.exists() else f'its folder {folder}'} is not writable")
-    target = path.resolve()
-    if any(target == p.resolve() for p in inputs):
-        raise OutputPathError(path, "is one of the traces being read; it would be overwritten")
-    # Dumps are searched recursively (``flight_recorder.load_dir``): a subfolder is the run's too.
-    if _EVIDENCE.match(target.name) and any(Path(f).resolve() in target.parents for f in folders):
-        raise OutputPathError(path, "is named as the run's own evidence (a rank trace, an index or a Flight "
-                              "Recorder dump) in its folder; it would be overwritten: write it elsewhere")
 
 STATE_TID = 1
 TRANSITION_TID = 2
@@ -161,11 +125,9 @@ def export_perfetto(
     guards: dict[tuple[Any, ...], list[tuple[float, int]]] = defaultdict(list)
     count = 0
     end_ts = 0.0
-    try:
-        f = open(out, "wb")
-    except OSError as exc:
-        raise OutputPathError(out, f"cannot be written ({exc.strerror or exc})") from exc
-    with f:
+    # Written beside ``out`` and renamed over it once whole (``outputs.written``): a write error is one
+    # ``OutputPathError``, and leaves no half timeline behind.
+    with written(out) as f:
         f.write(b'{"displayTimeUnit":"ms","traceEvents":[\n')
         first = True
 
