@@ -378,14 +378,14 @@ class Lifecycle:
             )
 
     def close(self, error: BaseException | None = None) -> None:
-        """Write the trace's end record and close it. Idempotent.
-
-        ``error``: why the run ends, if it ends by an error outside any
-        transition; replay then does not call the run healthy.
-        """
-        if self._own_guard is not None:
-            self._own_guard.close()  # its publisher thread; first, as closing the trace may raise
-        self.tracer.close(epoch=self.epoch, state=self.state.value, error=error)
+        """Write the trace's end record (``error``: why the run ends outside any transition; replay then does not
+        call it healthy), close the trace, then stop the guard's publisher thread. Idempotent."""
+        # The record first: a stopped rank's grace is bounded, and the publisher's join may wait on the store.
+        try:
+            self.tracer.close(epoch=self.epoch, state=self.state.value, error=error)
+        finally:
+            if self._own_guard is not None:
+                self._own_guard.close()
 
     def __enter__(self) -> Lifecycle:
         return self
