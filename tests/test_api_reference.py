@@ -182,7 +182,7 @@ def _exported_errors() -> dict[str, type]:
 
 
 #: Errors whose facts are not documented yet, and why (strict: the test says when one is).
-_FACTS_LEFT = {"TraceDirError": "miles_fsm.replay.model is changed by issue 37's replay work; its facts are left to it"}
+_FACTS_LEFT: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", [

@@ -72,6 +72,8 @@ def _sample(annotation: str, name: str) -> typing.Any:
         return {"k": "v"}
     if a.startswith("dict[str|None,list[str]]"):
         return {"run-a": ["rank-0.jsonl"], None: ["rank-1.jsonl"]}
+    if a.startswith("tuple[tuple[str,int]"):
+        return (("in_use", 3 << 20),)
     if a.startswith(("Sequence[int]", "tuple[int")):
         return (1, 2)
     if a.startswith(("Sequence", "tuple")):

@@ -150,6 +150,11 @@ class RankSignalledError(MilesFsmError, RuntimeError):
     the launcher too, and reads as ``RankStoppedError`` instead.
     """
 
+    #: The rank that got the signal.
+    rank: int
+    #: The signal's name (``SIGTERM``, ``SIGHUP``).
+    signal: str
+
     def __init__(self, *, rank: int, signal: str) -> None:
         self.rank = rank
         self.signal = signal

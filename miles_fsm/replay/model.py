@@ -47,6 +47,11 @@ NO_GUARD: tuple[Any, ...] = (None, (), None)
 class TraceDirError(MilesFsmError, ValueError):
     """The trace directory cannot be read or holds no trace: bad input, exit code 2."""
 
+    #: The directory, or the file in it, that could not be read.
+    path: str
+    #: Why, in words (what the one line on stderr says after the path).
+    reason: str
+
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         self.path = str(path)
         self.reason = reason
