@@ -64,6 +64,7 @@ _EXPORTS = {
     "RecoveryError": "miles_fsm.states.errors",
     "VerificationError": "miles_fsm.states.errors",
     "LauncherLostError": "miles_fsm.launch.local",
+    "RankSignalledError": "miles_fsm.launch.local",
     "RankStoppedError": "miles_fsm.launch.local",
 }
 
@@ -86,6 +87,7 @@ __all__ = [
     "MilesFsmError",
     "RankFailedError",
     "RankOutcome",
+    "RankSignalledError",
     "RankStoppedError",
     "RecoveryError",
     "RematerializingTrainer",
@@ -130,7 +132,7 @@ if TYPE_CHECKING:
         TransitionNotAllowed,
     )
     from miles_fsm.guard.consensus import Guard
-    from miles_fsm.launch.local import LauncherLostError, RankOutcome, RankStoppedError, run_ranks
+    from miles_fsm.launch.local import LauncherLostError, RankOutcome, RankSignalledError, RankStoppedError, run_ranks
     from miles_fsm.launch.ray_actors import run_ranks_ray
     from miles_fsm.launch.torchrun import run_under_torchrun
     from miles_fsm.plan import Collective, TensorSet
