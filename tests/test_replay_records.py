@@ -227,3 +227,20 @@ def test_a_steps_guard_passed_without_being_entered_is_damage(tmp_path, capsys):
         w.write(tmp_path)
     edit(tmp_path / "rank-1.jsonl", "guard_entered", lambda r: {**r, "event": "guard_enteredx"}, nth=1)
     never_ok(capsys, tmp_path, "out of its guard's order")
+
+
+def test_a_trace_of_an_earlier_v2_writer_without_scheme_or_waited_s_reads_ok(tmp_path, capsys):
+    """Schema v2 gained `scheme` and `waited_s` on verification records (2026-12-04) without a version bump: a
+    trace written before has neither, on every rank, and is healthy (ok, with the unproven note), not damage.
+    Where one is present it is still checked."""
+    verified_run(tmp_path)
+    for r in range(3):
+        path = tmp_path / f"rank-{r}.jsonl"
+        recs = [orjson.loads(ln) for ln in path.read_bytes().splitlines()]
+        old = [{k: v for k, v in rec.items() if k not in ("scheme", "waited_s")} for rec in recs]
+        path.write_bytes(b"".join(orjson.dumps(rec) + b"\n" for rec in old))
+    code, d = as_json(capsys, str(tmp_path))
+    assert (code, d["verdict"]) == (0, "ok"), d["trace_problems"]
+    assert any(UNPROVEN in n for n in d["notes"]), d["notes"]
+    edit(tmp_path / "rank-1.jsonl", "verified", lambda r: {**r, "scheme": 7})
+    never_ok(capsys, tmp_path, "scheme holds")
