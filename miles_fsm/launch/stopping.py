@@ -75,6 +75,8 @@ _STOP_SIGNALS = frozenset((signal.SIGTERM, signal.SIGHUP))
 _SIGNAL_WAIT_S = 1.0
 #: Held by the thread that stops the rank: one stop per process, whoever comes first.
 _STOPPING = threading.Lock()
+#: When the stop began (``time.monotonic()``), set once by the thread that holds ``_STOPPING``.
+_stop_began: float | None = None
 
 
 class LauncherLostError(MilesFsmError, RuntimeError):
@@ -231,11 +233,17 @@ def watch_stop_signals(ctx: RankContext) -> None:
     rank why it stops them (``RankStoppedError``): the rank waits for that
     word for ``_SIGNAL_WAIT_S``. Without it, the signal was this rank's
     alone: it records ``RankSignalledError`` and dies by the signal. A signal
-    that comes while the rank is already stopping ends it at once.
+    that comes well after the rank began to stop ends it at once.
     """
     while True:
         signum = signal.sigwait(_STOP_SIGNALS)
         if _STOPPING.locked():
+            # A group's signal and its launcher's word are one stop, and either may come first: the stop
+            # under way ends the process within its grace. Only a signal well after it began (the
+            # launcher's escalation, an operator's second kill) ends the rank at once.
+            began = _stop_began
+            if began is None or time.monotonic() - began < _SIGNAL_WAIT_S:
+                continue
             os._exit(EXIT_STOPPED)
         deadline = time.monotonic() + _SIGNAL_WAIT_S
         while not _STOPPING.locked() and time.monotonic() < deadline:
@@ -246,8 +254,10 @@ def watch_stop_signals(ctx: RankContext) -> None:
 
 def _stop_rank(ctx: RankContext, error: StopError, *, mp_tmp: str | None = None, signum: int | None = None) -> None:
     """Run the rank's stop callbacks (at most ``_LOST_GRACE_S``), then end the process; once per process."""
+    global _stop_began
     if not _STOPPING.acquire(blocking=False):
         return  # another thread is stopping this rank: it ends the process
+    _stop_began = time.monotonic()
     done = threading.Thread(target=_run_callbacks, args=(ctx, error), daemon=True)
     done.start()
     done.join(_LOST_GRACE_S)
