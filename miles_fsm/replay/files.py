@@ -30,7 +30,7 @@ from miles_fsm.replay.checks import MAX_RANKS
 from miles_fsm.replay.model import Damage, TraceDirError
 
 __all__ = ["MAX_LINE", "OVERSIZED", "RankFiles", "beyond", "blocks", "default_workers", "find_traces", "iter_lines",
-           "kind_of", "looks_like_a_rank", "open_regular", "preview", "rank_files", "rank_number", "read_capped"]  # fmt: skip
+           "kind_of", "looks_like_a_rank", "open_regular", "preview", "rank_files", "rank_number", "read_capped", "trace_rank"]  # fmt: skip
 
 _NUMBER = re.compile(r"0|[1-9][0-9]*")  # fullmatch, ASCII only: "$" would let a trailing newline through
 _BLOCK = 1 << 24
@@ -64,8 +64,8 @@ def rank_files(path: str | os.PathLike[str]) -> RankFiles:
         names = os.listdir(root)
     except OSError as exc:
         raise TraceDirError(root, f"cannot list it ({exc.strerror or exc})") from exc
-    found = {r: root / n for n in names if (r := _trace_rank(n)) is not None}
-    odd = sorted(n for n in names if _looks_like_a_rank_file(n) and _trace_rank(n) is None)
+    found = {r: root / n for n in names if (r := trace_rank(n)) is not None}
+    odd = sorted(n for n in names if _looks_like_a_rank_file(n) and trace_rank(n) is None)
     if not found:
         also = f" ({', '.join(map(repr, odd[:4]))}: {_NOT_A_NAME})" if odd else ""
         raise TraceDirError(root, f"holds no rank-<r>.jsonl trace files{also}")
@@ -104,7 +104,8 @@ def beyond(rank: int) -> str | None:
     return f"rank {rank} is beyond any world replay reads (at most {MAX_RANKS} ranks)" if rank >= MAX_RANKS else None
 
 
-def _trace_rank(name: str) -> int | None:
+def trace_rank(name: str) -> int | None:
+    """The rank a trace file's name spells (``rank-<r>.jsonl`` by ``rank_number``'s rule), else None."""
     if not (name.startswith("rank-") and name.endswith(".jsonl")):
         return None
     return rank_number(name[len("rank-") : -len(".jsonl")])

@@ -15,13 +15,13 @@ time, and the report says what was left out.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
+from miles_fsm.replay.files import trace_rank
 from miles_fsm.replay.model import TraceDirError
 
 __all__ = ["MAX_LISTED", "MAX_SCANNED", "RunFolders", "command", "run_folders"]
@@ -30,7 +30,6 @@ __all__ = ["MAX_LISTED", "MAX_SCANNED", "RunFolders", "command", "run_folders"]
 MAX_LISTED = 32
 #: Entries of the folder looked at, at most.
 MAX_SCANNED = 4096
-_RANK_FILE = re.compile(r"rank-(0|[1-9][0-9]*)\.jsonl")
 #: Bytes read from a run's first rank file to learn its run id (one record is far smaller).
 _FIRST_RECORD = 1 << 16
 
@@ -69,7 +68,7 @@ def run_folders(folder: str | os.PathLike[str], run: str | None = None) -> RunFo
     root = Path(folder)
     itself = RunFolders(folder=root, path=root, run=run)
     names = _names(root)
-    if names is None or any(_RANK_FILE.fullmatch(n) for n in names[0]):
+    if names is None or any(trace_rank(n) is not None for n in names[0]):
         return itself  # not a folder, or one run's own: replay reads (or refuses) it as before
     listed, scan_cut = names
     runs = sorted((root / n for n in listed if _holds_rank_files(root / n)), key=lambda p: p.name)
@@ -109,7 +108,7 @@ def _holds_rank_files(sub: Path) -> bool:
     try:
         with os.scandir(sub) as it:
             for k, entry in enumerate(it):
-                if _RANK_FILE.fullmatch(entry.name):
+                if trace_rank(entry.name) is not None:
                     return True
                 if k >= MAX_SCANNED:
                     return False
@@ -138,7 +137,7 @@ def _picked(root: Path, runs: list[Path], run: str) -> tuple[Path, str | None]:
 def _run_id(sub: Path) -> str | None:
     """The ``run`` of the first record of the lowest rank's file (a bounded read; None: none readable)."""
     try:
-        ranks = sorted(int(m.group(1)) for n in os.listdir(sub) if (m := _RANK_FILE.fullmatch(n)))
+        ranks = sorted(r for n in os.listdir(sub) if (r := trace_rank(n)) is not None)
         path = sub / f"rank-{ranks[0]}.jsonl"
         if not path.is_file():  # a FIFO or a device is never opened
             return None
